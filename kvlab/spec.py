@@ -35,7 +35,7 @@ class LayerSpec:
 
     kind: LayerKind
     mixer: str  # attention | mla | mamba | mamba2 | gated_deltanet | mlp
-    num_heads: int = 0
+    num_heads: int = 0  # query heads; for SSM layers the units tensor parallelism splits
     kv_heads: int = 0
     head_dim: int = 0
     v_head_dim: int = 0
@@ -250,7 +250,7 @@ def _mamba_layer(cfg: dict, hidden: int, mtype: str) -> tuple[LayerSpec, list[Ma
              + d_inner * d_state + d_inner + extra  # A_log, D
              + (2 * d_inner + hidden if proj_bias else 0))
     state = (d_conv - 1) * d_inner + d_inner * d_state
-    return LayerSpec("ssm", "mamba", state_elems=state), mats, other
+    return LayerSpec("ssm", "mamba", num_heads=d_inner, state_elems=state), mats, other
 
 
 def _mamba2_layer(cfg: dict, hidden: int) -> tuple[LayerSpec, list[Matrix], int]:
@@ -265,7 +265,7 @@ def _mamba2_layer(cfg: dict, hidden: int) -> tuple[LayerSpec, list[Matrix], int]
     ]
     other = conv_dim * d_conv + (conv_dim if cfg.get("use_conv_bias", True) else 0) + 3 * heads + d_inner
     state = (d_conv - 1) * conv_dim + heads * head_dim * d_state
-    return LayerSpec("ssm", "mamba2", state_elems=state), mats, other
+    return LayerSpec("ssm", "mamba2", num_heads=heads, state_elems=state), mats, other
 
 
 def _deltanet_layer(cfg: dict, hidden: int) -> tuple[LayerSpec, list[Matrix], int]:
@@ -282,7 +282,7 @@ def _deltanet_layer(cfg: dict, hidden: int) -> tuple[LayerSpec, list[Matrix], in
     ]
     other = conv_dim * d_conv + 2 * vh + vd
     state = (d_conv - 1) * conv_dim + vh * kd * vd
-    return LayerSpec("ssm", "gated_deltanet", state_elems=state), mats, other
+    return LayerSpec("ssm", "gated_deltanet", num_heads=kh, state_elems=state), mats, other
 
 
 def _attention_layer(cfg: dict, hidden: int, mtype: str, ltype: str

@@ -11,7 +11,7 @@ from pathlib import Path
 from kvlab.spec import ConfigError, ModelSpec, read_config, spec_from_config
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-_SUFFIXES = ("-instruct", "-it", "-hf", "-base", "-chat-v1.0", "-thinking", "-8k")
+_SUFFIXES = ("-instruct", "-it", "-hf", "-base", "-chat-v1.0", "-thinking", "-8k", "-v0.1")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""Accelerators the planner knows: a datasheet catalogue, and "cpu", this machine measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_FILE = Path(__file__).parent / "catalog" / "gpus.json"
+CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "cpu.json"
+
+
+@dataclass(frozen=True)
+class Device:
+    key: str
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes/s
+    flops: float  # dense 16-bit FLOP/s (cpu: measured fp32 matmul)
+    source: str
+
+
+def gpu_names() -> list[str]:
+    return [k for k in json.loads(GPU_FILE.read_text()) if not k.startswith("_")] + ["cpu"]
+
+
+def get_device(key: str) -> Device:
+    """A catalogue GPU by key (h100-sxm, h200, ...; 'h100' means the SXM part) or 'cpu'."""
+    key = key.lower().replace("_", "-")
+    key = {"h100": "h100-sxm", "a100": "a100-80gb", "3060": "rtx-3060", "4090": "rtx-4090"}.get(key, key)
+    if key == "cpu":
+        return cpu_device()
+    gpus = json.loads(GPU_FILE.read_text())
+    if key not in gpus or key.startswith("_"):
+        raise ValueError(f"unknown GPU {key!r}; choose one of {', '.join(gpu_names())}")
+    g = gpus[key]
+    return Device(key, g["name"], g["memory_bytes"], g["bandwidth"], g["bf16_flops"], g["source"])
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemTotal from /proc/meminfo")
+
+
+def _measure_cpu() -> dict:
+    """Read bandwidth (sum over 256 MiB, best of 5) and fp32 matmul FLOP/s (best of 3)."""
+    import numpy as np
+
+    a = np.ones(256 * 2**20 // 8, dtype=np.float64)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    bandwidth = a.nbytes / best
+    n = 1024
+    m = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        m @ m
+        best = min(best, time.perf_counter() - t)
+    return {"bandwidth": bandwidth, "flops": 2 * n**3 / best, "cores": os.cpu_count()}
+
+
+def cpu_device() -> Device:
+    """This machine: RAM from /proc/meminfo, bandwidth and FLOP/s measured once and cached."""
+    try:
+        measured = json.loads(CACHE_FILE.read_text())
+    except (OSError, ValueError):
+        measured = _measure_cpu()
+        try:
+            CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
+            CACHE_FILE.write_text(json.dumps(measured))
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    return Device(
+        "cpu", f"this machine ({measured['cores']} cores)", _mem_total(), measured["bandwidth"],
+        measured["flops"],
+        f"RAM from /proc/meminfo; read bandwidth and fp32 matmul FLOP/s measured with numpy "
+        f"(cached in {CACHE_FILE})",
+    )

@@ -1,0 +1,79 @@
+"""Human-readable output: byte formatting and the planner's tables (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from kvlab.plan import Plan
+from kvlab.units import fmt_bytes, fmt_seconds
+
+
+def _table(title: str) -> Table:
+    t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column(style="dim")
+    return t
+
+
+def print_plan(p: Plan, console: Console | None = None) -> None:
+    c = console or Console(width=max(Console().width, 110))
+    c.print(f"[bold]{p.model}[/]  context {p.context:,} tokens x {p.users} users, KV {p.kv_dtype}, "
+            f"weights {p.weights_dtype}, {p.gpus} x {p.gpu} (TP {p.tp})")
+    t = _table("KV cache")
+    t.add_row("per token", f"{p.kv_bytes_per_token:,} B", fmt_bytes(p.kv_bytes_per_token))
+    if p.kv_bytes_per_token_without_gqa:
+        ratio = p.kv_bytes_per_token_without_gqa / p.kv_bytes_per_token
+        t.add_row("per token without GQA", f"{p.kv_bytes_per_token_without_gqa:,} B", f"{ratio:.1f}x more")
+    t.add_row(f"per sequence ({p.context:,} tokens)", fmt_bytes(p.kv_bytes_per_sequence), "")
+    t.add_row(f"all {p.users} sequences", fmt_bytes(p.kv_bytes_total), "")
+    t.add_row(f"one sequence per GPU (TP {p.tp})", fmt_bytes(p.kv_bytes_per_gpu),
+              "replicated beyond KV heads" if p.kv_replicated else "")
+    t.add_row("dtype layout", p.kv_layout, "")
+    c.print(t)
+    lt = Table(title="By layer kind", title_justify="left")
+    for col in ("kind", "layers", "bytes / token", f"per sequence at {p.context:,}"):
+        lt.add_column(col, justify="right" if col != "kind" else "left")
+    for row in p.layer_breakdown:
+        lt.add_row(row["kind"], str(row["layers"]), f"{row['bytes_per_token']:,}", fmt_bytes(row["bytes_per_sequence"]))
+    c.print(lt)
+
+    t = _table("Memory")
+    t.add_row("weights", fmt_bytes(p.weights_bytes),
+              f"{p.num_params / 1e9:,.2f} B params ({p.active_params / 1e9:,.2f} B active per token)")
+    t.add_row("logits, all prompt positions", fmt_bytes(p.logits_bytes_all_positions),
+              f"{p.logits_bytes_all_positions / max(1, p.kv_bytes_per_sequence):.1f}x this sequence's KV")
+    t.add_row("logits, last position only", fmt_bytes(p.logits_bytes_last_only), "what generation needs")
+    t.add_row("activations (allowance)", fmt_bytes(p.activation_allowance_bytes), "estimate")
+    t.add_row("runtime overhead (allowance)", fmt_bytes(p.runtime_overhead_bytes), "estimate")
+    c.print(t)
+
+    t = _table(f"On {p.gpu} ({fmt_bytes(p.gpu_memory_bytes)}, {p.usable_bytes_per_gpu / p.gpu_memory_bytes:.0%} usable)")
+    t.add_row("KV budget per GPU", fmt_bytes(p.kv_budget_bytes_per_gpu), "after weights/TP and allowances")
+    t.add_row(f"sequences of {p.context:,} tokens that fit", f"{p.max_sequences:,}", f"on {p.gpus} GPU(s)")
+    t.add_row(f"longest context for {p.users} users", f"{p.max_context_for_users:,}" if p.max_context_for_users else "does not fit", "tokens")
+    t.add_row("GPUs needed (everything)", str(p.gpus_needed) if p.gpus_needed else "> 4096", "")
+    t.add_row("GPUs for the cache alone", str(p.gpus_needed_cache_only), "")
+    t.add_row("valid TP sizes", ", ".join(map(str, p.valid_tp_sizes)), "")
+    c.print(t)
+
+    t = _table("Speed bounds")
+    t.add_row("decode step", fmt_seconds(p.decode_step_seconds),
+              f"weights {fmt_seconds(p.decode_weights_seconds)} + cache {fmt_seconds(p.decode_kv_seconds)}")
+    t.add_row("decode throughput", f"{p.decode_tokens_per_s:,.0f} tok/s", "upper bound")
+    t.add_row(f"TTFT for {p.context:,} tokens", fmt_seconds(p.ttft_seconds), f"{p.prefill_flops / 1e12:,.1f} TFLOP")
+    t.add_row("crossover batch", f"{p.crossover_batch:,}" if p.crossover_batch else "never",
+              "cache reads overtake weight reads from this batch on")
+    c.print(t)
+
+    wt = Table(title=f"Work with and without a cache (prompt {p.work_table[0]['prompt']})", title_justify="left")
+    for col in ("new tokens", "tokens with cache", "tokens without", "ratio"):
+        wt.add_column(col, justify="right")
+    for r in p.work_table:
+        wt.add_row(str(r["new_tokens"]), f"{r['tokens_with_cache']:,}", f"{r['tokens_without_cache']:,}",
+                   f"{r['work_ratio']:.1f}x")
+    c.print(wt)
+    c.print(f"[bold]vLLM:[/] {p.vllm_flags}")
+    for note in p.notes:
+        c.print(f"[yellow]note:[/] {note}")

@@ -1,0 +1,35 @@
+"""Byte and time quantities: parsing what users type, printing what people read."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '12.49GB' -> 12490000000, '4096' -> 4096."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 4096, 512MiB, 2GiB, 12.5GB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"byte size must be positive: {text!r}")
+    return value
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Both units, labelled: '42.95 GB (40.00 GiB)'; small values in KB / KiB."""
+    if n is None:
+        return "-"
+    if abs(n) < 2**20:
+        return f"{n / 1e3:,.1f} KB ({n / 2**10:,.1f} KiB)" if n >= 1000 else f"{n:,.0f} B"
+    if abs(n) < 2**30:
+        return f"{n / 1e6:,.1f} MB ({n / 2**20:,.1f} MiB)"
+    return f"{n / 1e9:,.2f} GB ({n / 2**30:,.2f} GiB)"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.2f} s"

@@ -1,0 +1,61 @@
+"""`kvlab plan` and `kvlab models` as a user runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlab.cli import main
+
+REQUIRED = ["kv_bytes_per_token", "kv_bytes_per_sequence", "kv_bytes_total", "kv_bytes_per_gpu",
+            "weights_bytes", "max_sequences", "gpus_needed", "crossover_batch"]
+
+
+def test_plan_json(capsys):
+    assert main(["plan", "llama-3.1-70b", "--context", "131072", "--users", "2", "--tp", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in REQUIRED:
+        assert isinstance(out[key], int), key
+    assert isinstance(out["decode_step_seconds"], float)
+    assert out["kv_bytes_per_token"] == 327_680
+    assert out["kv_bytes_total"] == 2 * out["kv_bytes_per_sequence"]
+    assert out["kv_bytes_per_gpu"] == out["kv_bytes_per_sequence"] // 8
+    assert "--tensor-parallel-size 8" in out["vllm_flags"]
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "Qwen/Qwen2.5-7B", "--context", "32768", "--kv-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "28,672 B" in out  # 56 KiB halved by fp8
+    assert "GiB" in out and "GB" in out
+    assert "--kv-cache-dtype fp8_e4m3" in out
+
+
+def test_models_lists_catalogue(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["alias"] for r in rows} >= {"llama-3.1-70b", "deepseek-v3", "falcon-mamba-7b"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "llama-3.1-7b"], "did you mean"),
+    (["plan", "llama-3.1-8b", "--context", "-5"], "must be at least 1"),
+    (["plan", "llama-3.1-8b", "--users", "lots"], "not a whole number"),
+    (["plan", "llama-3.1-8b", "--gpu", "tpu-v9"], "unknown GPU"),
+    (["plan", "llama-3.1-8b", "--mem-util", "2"], "--mem-util"),
+    (["plan", "llama-3.1-8b", "--gpu-memory", "lots"], "not a byte size"),
+    (["plan"], "required"),
+])
+def test_bad_input_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_bad_config_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "num_hidden_layers": 2')
+    r = subprocess.run([sys.executable, "-m", "kvlab.cli", "plan", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "not valid JSON" in r.stderr

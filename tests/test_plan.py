@@ -1,0 +1,144 @@
+"""The planner: capacity, tensor parallelism, speed bounds and the lessons' exercises."""
+
+import math
+
+import pytest
+
+from kvlab.catalog import load_spec
+from kvlab.hardware import get_device
+from kvlab.plan import PlanRequest, make_plan, valid_tp_sizes
+from kvlab.spec import spec_from_config
+from tests.conftest import llama_like
+
+GiB = 2**30
+
+
+def test_rtx3060_capacity_example():
+    """Vietnamese lesson: Qwen2.5-1.5B on a 12.49 GB card, 2,048-token users."""
+    spec = load_spec("qwen2.5-1.5b")
+    p = make_plan(spec, PlanRequest(context=2048, users=1, gpu="rtx-3060", gpu_memory=12_490_000_000, mem_util=1.0))
+    assert p.weights_bytes / 1e9 == pytest.approx(3.087, abs=0.001)
+    assert p.kv_bytes_per_sequence == 2048 * 28_672
+    # budget = memory - weights - stated allowances; users = budget // per-user cache
+    assert p.kv_budget_bytes_per_gpu == (12_490_000_000 - p.weights_bytes - p.activation_allowance_bytes
+                                         - p.runtime_overhead_bytes - p.logits_bytes_last_only)
+    assert p.max_sequences == p.kv_budget_bytes_per_gpu // p.kv_bytes_per_sequence
+    lesson_tokens = (12.49e9 - 3.087e9) // 28_672  # the lesson's ~328,000 tokens, no allowances
+    assert 300_000 < lesson_tokens < 330_000
+    assert 0.8 * lesson_tokens / 2048 < p.max_sequences <= lesson_tokens / 2048
+
+
+def test_logits_vs_kv_ratio():
+    p = make_plan(load_spec("qwen2.5-1.5b"), PlanRequest(context=8192, gpu="rtx-3060"))
+    per_token_logits = p.logits_bytes_all_positions / 8192
+    assert per_token_logits == 151_936 * 2
+    assert per_token_logits / p.kv_bytes_per_token == pytest.approx(10.6, abs=0.05)
+    assert p.logits_bytes_last_only == 151_936 * 2
+
+
+def test_chinese_exercise_fits_on_8x80():
+    """max_model_len 131072, 32 sequences, utilisation 0.9, 8 x 80 GiB: it fits."""
+    p = make_plan(load_spec("llama-3.1-8b"), PlanRequest(context=131_072, users=32, gpus=8,
+                                                         gpu_memory=80 * GiB, mem_util=0.9))
+    assert p.tp == 8 and p.kv_bytes_total == 32 * 16 * GiB
+    assert p.max_sequences >= 32
+    assert p.gpus_needed <= 8
+
+
+def test_24gb_exercise_does_not_fit():
+    spec = spec_from_config(llama_like())
+    p = make_plan(spec, PlanRequest(context=8000, users=50, gpu="rtx-4090", gpu_memory=24 * 10**9))
+    assert p.kv_bytes_total == 50 * 750 * 2**20
+    assert p.max_sequences < 50
+    assert p.gpus_needed > 1
+    assert any("do not fit" in n for n in p.notes)
+
+
+def test_tensor_parallel_splits_gqa_and_replicates():
+    spec = load_spec("llama-3.1-70b")  # 8 KV heads
+    seq = spec.kv_bytes_per_sequence(8192)
+    assert make_plan(spec, PlanRequest(tp=8)).kv_bytes_per_gpu == seq // 8
+    p16 = make_plan(spec, PlanRequest(tp=16))
+    assert p16.kv_bytes_per_gpu == seq // 8 and p16.kv_replicated
+    assert not make_plan(spec, PlanRequest(tp=4)).kv_replicated
+    mla = load_spec("deepseek-v3")
+    p = make_plan(mla, PlanRequest(tp=8, weights_dtype="fp8"))
+    assert p.kv_bytes_per_gpu == p.kv_bytes_per_sequence and p.kv_replicated
+
+
+def test_valid_tp_sizes():
+    assert valid_tp_sizes(load_spec("qwen2.5-0.5b")) == [1, 2, 14]  # 14 heads, 2 KV heads
+    assert valid_tp_sizes(load_spec("llama-3.1-8b"))[:4] == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="--tp 3 is not valid"):
+        make_plan(load_spec("llama-3.1-8b"), PlanRequest(tp=3))
+    with pytest.raises(ValueError, match="not a multiple"):
+        make_plan(load_spec("llama-3.1-8b"), PlanRequest(tp=4, gpus=6))
+
+
+def test_data_parallel_replicas_multiply_capacity():
+    spec = load_spec("llama-3.1-8b")
+    one = make_plan(spec, PlanRequest(context=32768, gpus=1))
+    four = make_plan(spec, PlanRequest(context=32768, gpus=4, tp=1))
+    assert four.max_sequences == 4 * one.max_sequences
+
+
+def test_decode_bound_and_crossover_dense():
+    spec = load_spec("llama-3.1-8b")
+    p = make_plan(spec, PlanRequest(context=8192, users=4, gpu="h100-sxm"))
+    bw = get_device("h100-sxm").bandwidth
+    assert p.decode_step_seconds == pytest.approx((p.weights_bytes + 4 * p.kv_bytes_per_sequence) / bw)
+    assert p.crossover_batch == math.ceil(p.weights_bytes / p.kv_bytes_per_sequence)
+    longer = make_plan(spec, PlanRequest(context=65536, gpu="h100-sxm"))
+    assert longer.crossover_batch < p.crossover_batch  # longer contexts dominate sooner
+
+
+def test_moe_decode_reads_only_routed_experts():
+    spec = load_spec("qwen3-30b-a3b")
+    bw = get_device("h200").bandwidth
+    p1 = make_plan(spec, PlanRequest(context=4096, users=1, gpu="h200"))
+    assert p1.decode_weights_seconds * bw < 0.25 * p1.weights_bytes
+    p64 = make_plan(spec, PlanRequest(context=4096, users=64, gpu="h200"))
+    assert p64.decode_weights_seconds > p1.decode_weights_seconds
+
+
+def test_ttft_bound():
+    spec = load_spec("llama-3.1-8b")
+    p = make_plan(spec, PlanRequest(context=8192, gpu="h100-sxm"))
+    matmul = 2 * (spec.active_params - 2 * 128_256 * 4096) * 8192
+    assert p.prefill_flops > matmul
+    assert p.ttft_seconds == pytest.approx(p.prefill_flops / 989e12)
+
+
+def test_ssm_only_model_has_no_crossover_growth():
+    p = make_plan(load_spec("falcon-mamba-7b"), PlanRequest(context=100_000, users=4))
+    assert p.kv_bytes_per_token == 0
+    assert p.kv_bytes_per_sequence == make_plan(load_spec("falcon-mamba-7b"), PlanRequest(context=10)).kv_bytes_per_sequence
+
+
+def test_work_table_matches_lesson():
+    p = make_plan(load_spec("qwen2.5-1.5b"), PlanRequest(prompt=128))
+    ratios = [round(r["work_ratio"]) for r in p.work_table]
+    assert ratios == [53, 96, 171, 307]
+    assert p.work_table[0]["tokens_with_cache"] == 191
+
+
+def test_weight_dtypes():
+    spec = load_spec("llama-3.1-8b")
+    bf16 = make_plan(spec, PlanRequest(weights_dtype="bf16")).weights_bytes
+    assert bf16 == 2 * spec.num_params
+    int4 = make_plan(spec, PlanRequest(weights_dtype="int4")).weights_bytes
+    assert 0.3 * bf16 < int4 < 0.4 * bf16  # 4-bit body, 16-bit embeddings, group scales
+
+
+def test_cpu_device_is_measured():
+    d = get_device("cpu")
+    assert d.memory_bytes > 2**30 and d.bandwidth > 1e8 and d.flops > 1e8
+    assert make_plan(load_spec("qwen2.5-0.5b"), PlanRequest(gpu="cpu")).max_sequences > 0
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"mem_util": 1.5}, "--mem-util"), ({"context": 0}, "--context"), ({"users": 0}, "--users"),
+    ({"kv_dtype": "fp6"}, "unknown KV dtype"), ({"gpu": "tpu"}, "unknown GPU")])
+def test_bad_requests(over, message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(load_spec("llama-3.1-8b"), PlanRequest(**over))
