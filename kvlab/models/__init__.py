@@ -1,0 +1,23 @@
+"""kvlab's own model runtime: plain PyTorch decoders over flat tokens + pluggable attention.
+
+    from kvlab.models import load, ContiguousKVCache
+    loaded = load("path/to/checkpoint", "bf16")
+"""
+
+from kvlab.models.attention import AttentionBackend, ContiguousKVCache, NoCache
+from kvlab.models.llama import SUPPORTED_TYPES, CausalLM, UnsupportedModelError, check_supported
+from kvlab.models.loader import (
+    ByteTokenizer,
+    HFTokenizer,
+    Loaded,
+    build_model,
+    load,
+    load_model,
+    torch_dtype,
+)
+
+__all__ = [
+    "AttentionBackend", "ByteTokenizer", "CausalLM", "ContiguousKVCache", "HFTokenizer", "Loaded",
+    "NoCache", "SUPPORTED_TYPES", "UnsupportedModelError", "build_model", "check_supported", "load",
+    "load_model", "torch_dtype",
+]

@@ -1,0 +1,232 @@
+"""One decoder for the standard-attention families: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3.
+
+They differ only in small switches, all read from the spec / raw config:
+- Qwen2: bias on q/k/v projections;  Llama: ``attention_bias`` (q/k/v/o), ``mlp_bias``;
+- Qwen3: RMSNorm over each head of q and k before RoPE;
+- Mistral (and any config with sliding layers): a sliding window, applied by the backend;
+- RoPE: default, "linear" or Llama 3's "llama3" frequency scaling.
+
+Module names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``...) so a checkpoint's
+state dict loads as is. The forward pass works on flat tokens and leaves every cache decision
+to the attention backend (see ``attention.py``), so the paged engine reuses this file untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvlab.models.attention import AttentionBackend
+from kvlab.spec import LayerSpec, ModelSpec
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The runtime cannot run this architecture (the message names it and what is supported)."""
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either transformers 5 (``rope_parameters``) or older configs
+    (``rope_theta`` + ``rope_scaling``), normalised to a dict with rope_type and rope_theta."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return {**params, "rope_type": rope_type, "rope_theta": float(theta)}
+
+
+def check_supported(spec: ModelSpec) -> None:
+    """Raise UnsupportedModelError (one line) unless this runtime can run ``spec``."""
+    supported = ("supported: llama, mistral, qwen2, qwen3 (Llama 2/3.x, SmolLM2, TinyLlama, "
+                 "Mistral, Qwen2/2.5, Qwen3 dense)")
+    kinds = {layer.kind for layer in spec.layers}
+    mtype = spec.model_type
+    if mtype not in SUPPORTED_TYPES:
+        why = ("MLA attention" if spec.is_mla else
+               "SSM / hybrid layers" if kinds & {"ssm", "none"} else
+               "mixture of experts" if any(m.name.startswith("moe") for m in spec.matrices) else
+               "a different block layout")
+        raise UnsupportedModelError(f"{spec.name}: architecture {mtype} ({spec.architecture}, {why}) "
+                                    f"is not supported by kvlab's runtime; {supported}")
+    if not kinds <= {"full", "sliding"}:
+        raise UnsupportedModelError(f"{spec.name}: layer kinds {sorted(kinds)} are not supported; "
+                                    f"{supported}")
+    cfg = spec.config
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{spec.name}: hidden_act {act!r} is not supported (silu only)")
+    rope = rope_parameters(cfg)["rope_type"]
+    if rope not in SUPPORTED_ROPE:
+        raise UnsupportedModelError(f"{spec.name}: rope_type {rope!r} is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_ROPE)}")
+
+
+def inv_frequencies(cfg: dict[str, Any], head_dim: int) -> Tensor:
+    """RoPE inverse frequencies (float32), as Hugging Face computes them for each rope_type."""
+    p = rope_parameters(cfg)
+    inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if p["rope_type"] == "linear":
+        return inv / p["factor"]
+    if p["rope_type"] == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+        return torch.where(medium, blended, scaled)
+    return inv
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as in HF (bit-for-bit)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D]; cos/sin [T, D] (already in x's dtype)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, layer: LayerSpec, cfg: dict[str, Any], hidden: int,
+                 mtype: str) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.kv_heads, self.head_dim = layer.num_heads, layer.kv_heads, layer.head_dim
+        bias = cfg.get("attention_bias", False)
+        qkv_bias = True if mtype == "qwen2" else bias  # Qwen2 hard-codes q/k/v bias
+        o_bias = bias if mtype in ("llama", "qwen3") else False
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.qk_norm = mtype == "qwen3"
+        if self.qk_norm:
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer_idx: int, spec: ModelSpec) -> None:
+        super().__init__()
+        cfg, hidden = spec.config, spec.hidden_size
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = Attention(layer_idx, spec.layers[layer_idx], cfg, hidden, spec.model_type)
+        self.mlp = MLP(hidden, cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(i, spec) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.config.get("rms_norm_eps", 1e-6))
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over flat tokens.
+
+    ``forward(input_ids [T], positions [T], attn, logits_indices [N] | None) -> logits [N, vocab]``.
+    Only the hidden states at ``logits_indices`` reach the final norm and the LM head: during
+    generation that is one row per sequence, never [T, vocab] for a whole prompt (which for a
+    151,936-word vocabulary costs ~10x the KV cache). ``None`` returns every position (the
+    "naive" forward pass that ``measure`` compares against).
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        check_supported(spec)
+        heads = {(layer.head_dim) for layer in spec.layers}
+        if len(heads) != 1:
+            raise UnsupportedModelError(f"{spec.name}: layers with different head_dim {sorted(heads)}")
+        self.spec = spec
+        self.config = spec.config
+        self.model = DecoderModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_frequencies(spec.config, heads.pop()), persistent=False)
+        self.eos_token_ids: tuple[int, ...] = ()  # filled by the loader (generation_config.json)
+        self.name = spec.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [T, head_dim] for these positions: computed in float32, then cast (as HF)."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
+                logits_indices: Tensor | None = None) -> Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.model.norm(x))

@@ -1,0 +1,278 @@
+"""Parity of kvlab's runtime with transformers, per family, and the loader's contracts.
+
+Each case builds a tiny random model with transformers, saves it (safetensors) and loads it with
+kvlab's loader in fp32: logits must match to 1e-4 (whole prompt, and through the contiguous cache
+in chunks), and 20 greedy tokens must equal transformers' own ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.generate import generate
+from kvlab.models import (
+    ContiguousKVCache,
+    NoCache,
+    UnsupportedModelError,
+    build_model,
+    load,
+)
+from kvlab.sampling import SamplingParams
+from kvlab.spec import ConfigError, spec_from_config
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128,
+            initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+# name -> (config class, model class, extra config fields, save kwargs)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
+                    {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}, {}),
+    "llama-sharded-bias": ("LlamaConfig", "LlamaForCausalLM",
+                           {"attention_bias": True, "mlp_bias": True}, {"max_shard_size": "40KB"}),
+    "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}, {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, {}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}, {}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine torch's threads
+    spin against other processes (10x slower); restore the setting afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random transformers model of ``family`` to ``folder``; return the folder."""
+    cfg_name, model_name, extra, save_kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**{**TINY, **extra, **overrides})
+    model = getattr(transformers, model_name)(cfg).eval()
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_checkpoint(request, tmp_path_factory):
+    folder = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    hf = getattr(transformers, FAMILIES[request.param][1]).from_pretrained(folder).eval()
+    return request.param, folder, hf
+
+
+def _prompt(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_match_transformers(family_checkpoint):
+    name, folder, hf = family_checkpoint
+    model = load(folder, "fp32").model
+    ids = _prompt(24)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        backend = NoCache(model.spec)
+        ours = model(ids, backend.prepare(24), backend, None)
+    assert ours.shape == (24, VOCAB)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [(24,), (10, 14), (3, 2, 1, 5, 1, 1, 11)])
+def test_cached_chunks_match_transformers(family_checkpoint, chunks):
+    """Prefill in pieces then decode: the cache must give the whole-sequence logits (for the
+    6-token window this covers the ring buffer's wrap in every path)."""
+    name, folder, hf = family_checkpoint
+    model = load(folder, "fp32").model
+    ids = _prompt(24)
+    cache = ContiguousKVCache(model.spec, capacity=30, dtype=torch.float32)
+    outs, at = [], 0
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        for n in chunks:
+            outs.append(model(ids[at:at + n], cache.prepare(n), cache, None))
+            at += n
+    torch.testing.assert_close(torch.cat(outs), ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_match_transformers_generate(family_checkpoint):
+    name, folder, hf = family_checkpoint
+    model = load(folder, "fp32").model
+    prompt = _prompt(9, seed=2)
+    with torch.no_grad():
+        ref = hf.generate(prompt[None], max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    ref_new = ref[0, 9:].tolist()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert generate(model, prompt.tolist(), params).token_ids == ref_new
+    assert generate(model, prompt.tolist(), params, use_cache=False).token_ids == ref_new
+
+
+def test_sharded_checkpoint_is_really_sharded(tmp_path):
+    folder = make_checkpoint(tmp_path, "llama-sharded-bias")
+    shards = list(folder.glob("*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file()
+    model = load(folder, "fp32").model
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert model.model.layers[0].mlp.down_proj.bias is not None
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    folder = make_checkpoint(tmp_path, "qwen2-tied")
+    model = load(folder, "fp32").model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+
+
+def test_legacy_rope_config_fields(tmp_path):
+    """Catalogue configs use rope_theta + rope_scaling (transformers 4); transformers 5 writes
+    rope_parameters. Both must give the same model."""
+    folder = make_checkpoint(tmp_path, "llama3-rope")
+    new = load(folder, "fp32").model
+    cfg = json.loads((folder / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = params
+    (folder / "config.json").write_text(json.dumps(cfg))
+    old = load(folder, "fp32").model
+    assert torch.equal(old.inv_freq, new.inv_freq)
+    assert not torch.allclose(old.inv_freq, 1 / 500000.0 ** (torch.arange(0, 16, 2) / 16))
+
+
+def test_logits_only_for_requested_positions(tmp_path):
+    model = load(make_checkpoint(tmp_path), "fp32").model
+    ids = _prompt(12)
+    backend = NoCache(model.spec)
+    with torch.no_grad():
+        all_logits = model(ids, backend.prepare(12), backend, None)
+        last = model(ids, backend.prepare(12), backend, torch.tensor([11]))
+        some = model(ids, backend.prepare(12), backend, torch.tensor([0, 5]))
+    assert all_logits.shape == (12, VOCAB) and last.shape == (1, VOCAB) and some.shape == (2, VOCAB)
+    torch.testing.assert_close(last[0], all_logits[11])
+    torch.testing.assert_close(some, all_logits[[0, 5]])
+
+
+def test_lm_head_sees_only_the_requested_rows(tmp_path):
+    """Generation must never build [T, vocab] logits for the prompt."""
+    model = load(make_checkpoint(tmp_path), "fp32").model
+    rows: list[int] = []
+    model.lm_head.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0]))
+    generate(model, _prompt(20).tolist(), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert rows == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_cache_bytes_match_the_spec(tmp_path, family):
+    model = load(make_checkpoint(tmp_path, family), "bf16").model
+    cache = ContiguousKVCache(model.spec, capacity=40, batch_size=2, dtype=torch.bfloat16)
+    assert cache.kv_bytes == 2 * model.spec.kv_bytes_per_sequence(40, "bf16")
+    slots = 6 if family == "mistral-window" else 40
+    assert [tuple(t.shape) for t in cache.k] == [(2, 2, slots, 16)] * 2
+    with pytest.raises(ValueError, match="full"):
+        cache.prepare(41)
+
+
+def test_batched_cache_matches_single_sequences(tmp_path):
+    model = load(make_checkpoint(tmp_path, "mistral-window"), "fp32").model
+    a, b = _prompt(10, 3), _prompt(10, 4)
+    cache = ContiguousKVCache(model.spec, capacity=12, batch_size=2, dtype=torch.float32)
+    with torch.no_grad():
+        both = model(torch.cat([a, b]), cache.prepare(10), cache, None)
+        for i, ids in enumerate((a, b)):
+            nc = NoCache(model.spec)
+            torch.testing.assert_close(both[i * 10:(i + 1) * 10], model(ids, nc.prepare(10), nc),
+                                       atol=1e-5, rtol=0)
+
+
+def test_dtype_choice_and_default(tmp_path):
+    folder = make_checkpoint(tmp_path)
+    assert load(folder).model.dtype == torch.bfloat16
+    assert load(folder, "fp16").model.dtype == torch.float16
+    assert load(folder, "fp32").model.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load(folder, "int3")
+
+
+def test_eos_from_generation_config(tmp_path):
+    folder = make_checkpoint(tmp_path, eos_token_id=7)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
+    assert load(folder, "fp32").model.eos_token_ids == (5, 9)
+    (folder / "generation_config.json").unlink()
+    assert load(folder, "fp32").model.eos_token_ids == (7,)
+
+
+def test_random_weights_are_seeded_and_scaled(tmp_path):
+    cfg = {**TINY, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+           "hidden_size": 128, "intermediate_size": 256, "initializer_range": 0.05,
+           "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    a = load(path, "fp32", random_weights=True, seed=3).model
+    b = load(path, "fp32", random_weights=True, seed=3).model
+    c = load(path, "fp32", random_weights=True, seed=4).model
+    wa = a.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(wa, b.model.layers[0].mlp.up_proj.weight)
+    assert not torch.equal(wa, c.model.layers[0].mlp.up_proj.weight)
+    assert abs(wa.std().item() - 0.05) < 0.005
+    assert torch.all(a.model.layers[0].self_attn.q_proj.bias == 0)
+    assert torch.all(a.model.norm.weight == 1)
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+
+
+def test_random_weights_from_the_catalogue_build_on_meta():
+    """Real-size models: the spec's parameter count is what gets built (checked without memory)."""
+    from kvlab.catalog import load_spec
+
+    for name in ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-0.6b", "mistral-7b"):
+        spec = load_spec(name)
+        with torch.device("meta"):
+            from kvlab.models import CausalLM
+
+            model = CausalLM(spec)
+        assert sum(p.numel() for p in model.parameters()) == spec.num_params, name
+
+
+@pytest.mark.parametrize("name, word", [("deepseek-v3", "MLA"), ("mixtral-8x7b", "mixture of experts"),
+                                        ("falcon-mamba-7b", "SSM"), ("gemma-2-2b", "gemma2"),
+                                        ("qwen3-30b-a3b", "qwen3_moe")])
+def test_unsupported_architectures_fail_clearly(name, word):
+    with pytest.raises(UnsupportedModelError) as err:
+        load(name, random_weights=True)
+    msg = str(err.value)
+    assert word in msg and "supported: llama, mistral, qwen2, qwen3" in msg and "\n" not in msg
+
+
+def test_unsupported_rope_type(tmp_path):
+    cfg = {**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    spec = spec_from_config(cfg)
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        build_model(spec, "fp32", random_weights=True)
+
+
+def test_missing_or_mismatched_weights(tmp_path):
+    folder = make_checkpoint(tmp_path / "a")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="missing 9 tensors"):
+        load(folder)
+    empty = tmp_path / "b"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        load(empty)
+    with pytest.raises(ConfigError, match="without weights"):
+        load("qwen2.5-0.5b")
