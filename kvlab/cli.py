@@ -44,7 +44,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     req = PlanRequest(context=args.context, users=args.users, kv_dtype=args.kv_dtype,
                       weights_dtype=args.weights_dtype, gpu=args.gpu, gpus=args.gpus, tp=args.tp,
-                      mem_util=args.mem_util, gpu_memory=args.gpu_memory, prompt=args.prompt)
+                      mem_util=args.mem_util, gpu_memory=args.gpu_memory, prompt=args.prompt,
+                      kv_memory=args.kv_memory, block_size=args.block_size,
+                      max_model_len=args.max_model_len)
     plan = make_plan(spec, req)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
@@ -82,6 +84,105 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- generate ----------------------------------------------------------------------------------
+
+def _float_arg(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvlab.generate import Generation
+    from kvlab.models import load
+    from kvlab.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model = args.model
+    if model is None:
+        from kvlab.models import loader
+
+        model = str(loader.DEMO_MODEL)
+        if not (loader.DEMO_MODEL / "config.json").is_file():
+            raise ValueError(f"no MODEL given and the bundled demo model is missing at {model}")
+    loaded = load(model, args.dtype, device=args.device, random_weights=args.random_weights,
+                  seed=args.seed or 0)
+    tok = loaded.tokenizer
+    if tok.is_fallback:
+        print(f"note: {loaded.model.name} has no tokenizer: the prompt is encoded as UTF-8 bytes "
+              f"(id = byte % vocab) and ids >= 256 print as <id>", file=sys.stderr)
+    gen = Generation(loaded.model, tok.encode(args.prompt), params, tok, use_cache=not args.no_cache)
+    for delta in gen:
+        if not args.json:
+            print(delta.text, end="", flush=True)
+    result = gen.result
+    assert result is not None
+    if args.json:
+        print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+                          "tokenizer": "byte fallback" if tok.is_fallback else "tokenizer.json",
+                          **result.as_dict()}))
+    else:
+        print()
+        print(result.figures(), file=sys.stderr)
+    return 0
+
+
+# --- measure -----------------------------------------------------------------------------------
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of whole numbers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive whole numbers, got {text!r}")
+    return values
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    from kvlab.measure import measure
+    from kvlab.models import load, loader
+
+    model = args.model or str(loader.DEMO_MODEL)
+    loaded = load(model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed)
+    log = (lambda msg: None) if args.json else (lambda msg: print(f"… {msg}", file=sys.stderr, flush=True))
+    result = measure(loaded.model, args.contexts, args.new_tokens, args.prompt, progress=log)
+    if args.plot:
+        from kvlab.plots import plot_measurement
+
+        plot_measurement(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        from kvlab.render import print_measurement
+
+        print_measurement(result)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+# --- serve -------------------------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvlab.server.run import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvlab", description="Plan, run, measure and see the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -99,12 +200,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-util", type=float, default=0.9, help="fraction of GPU memory to use (default 0.9)")
     p.add_argument("--gpu-memory", type=_byte_size, help="override the GPU's memory, e.g. 12.49GB")
     p.add_argument("--prompt", type=_positive_int, default=128, help="prompt length for the cache/no-cache work table")
+    p.add_argument("--kv-memory", type=_byte_size, metavar="BYTES",
+                   help="the engine's KV budget, e.g. 2GiB: adds kv_cache_blocks/tokens and max_concurrency")
+    p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                   help="tokens per engine KV block (default 16)")
+    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="sequence length for max_concurrency (default: --context)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list the built-in model catalogue")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled demo model), or with --random-weights "
+                   "a catalogue name or config.json")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--max-tokens", type=_positive_int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--temperature", type=_float_arg, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_float_arg, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=_int_arg, default=0, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--min-p", type=_float_arg, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--seed", type=_int_arg, default=None, help="seed for sampling (and random weights)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights from the config (seeded); no tokenizer unless the folder has one")
+    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for torch (default: torch's; use 1 on a busy shared machine)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("measure", help="check the KV formula against the runtime's tensors and allocations")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled demo model), or with --random-weights a catalogue name")
+    p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
+    p.add_argument("--seed", type=_int_arg, default=0)
+    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument("--contexts", type=_int_list, default=[128, 256, 512, 1024],
+                   help="prefill lengths for the slope (default 128,256,512,1024)")
+    p.add_argument("--new-tokens", type=_int_list, default=[64, 128, 256],
+                   help="new tokens for the cache vs no-cache runs (default 64,128,256)")
+    p.add_argument("--prompt", type=_positive_int, default=128, help="prompt tokens for those runs (default 128)")
+    p.add_argument("--plot", help="write the slope and cache/no-cache curves to this PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_measure)
+
+    from kvlab.server.run import add_serve_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server with /metrics and the live KV-cache page")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 
 from kvlab.plan import Plan
 from kvlab.units import fmt_bytes, fmt_seconds
+
+if TYPE_CHECKING:
+    from kvlab.measure import Measurement
 
 
 def _table(title: str) -> Table:
@@ -77,3 +82,38 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(f"[bold]vLLM:[/] {p.vllm_flags}")
     for note in p.notes:
         c.print(f"[yellow]note:[/] {note}")
+
+
+def print_measurement(m: Measurement, console: Console | None = None) -> None:
+    c = console or Console(width=max(Console().width, 110))
+    k = m.count
+    c.print(f"[bold]{m.model}[/]  cache dtype {m.dtype}")
+    t = _table(f"1. Cache tensors after a {k.context:,}-token prefill")
+    t.add_row("tensors", f"{k.tensors}", "shapes " + ", ".join(str(tuple(s)) for s in k.shapes))
+    t.add_row("total", f"{k.total_bytes:,} B", f"formula {k.formula_bytes:,} B")
+    t.add_row("bytes per token", f"{k.counted_bytes_per_token:,.1f}", f"formula {k.formula_bytes_per_token:,}")
+    c.print(t)
+    s = m.slope
+    st = Table(title="2. Allocated cache bytes over contexts", title_justify="left")
+    for col in ("context", "allocated", "formula"):
+        st.add_column(col, justify="right")
+    for n, a, f in zip(s.contexts, s.allocated_bytes, s.formula_bytes):
+        st.add_row(f"{n:,}", f"{a:,}", f"{f:,}")
+    c.print(st)
+    c.print(f"slope {s.slope_bytes_per_token:,.1f} B/token vs formula {s.formula_bytes_per_token:,} "
+            f"({s.deviation_percent:+.3f}%)")
+    p = m.prefill
+    t = _table(f"3. Extra memory of a {p.context:,}-token prefill (beyond the cache)")
+    t.add_row("all-position logits", fmt_bytes(p.extra_all_positions),
+              f"logits {fmt_bytes(p.logits_bytes_all_positions)} = {p.logits_share_percent:.1f}% of it")
+    t.add_row("last-position logits only", fmt_bytes(p.extra_last_only),
+              f"{p.extra_all_positions / max(1, p.extra_last_only):.1f}x less")
+    t.add_row("logits / KV cache", f"{p.logits_to_kv_ratio:.1f}x", f"KV {fmt_bytes(p.kv_bytes)}")
+    c.print(t)
+    ct = Table(title=f"4. With vs without the cache (prompt {m.cache_vs_no_cache[0].prompt})", title_justify="left")
+    for col in ("new tokens", "with cache", "without", "time ratio", "work ratio", "identical tokens"):
+        ct.add_column(col, justify="right")
+    for r in m.cache_vs_no_cache:
+        ct.add_row(str(r.new_tokens), fmt_seconds(r.seconds_with_cache), fmt_seconds(r.seconds_without_cache),
+                   f"{r.time_ratio:.2f}x", f"{r.work_ratio:.1f}x", f"{r.identical_tokens}/{r.new_tokens}")
+    c.print(ct)

@@ -1,0 +1,78 @@
+"""`kvlab measure`: the runtime's tensors and allocations against the planner's formula."""
+
+import json
+
+import pytest
+
+from kvlab.cli import main
+from kvlab.measure import cache_slope, cache_vs_no_cache, count_cache, prefill_memory
+from kvlab.models.loader import build_model
+from kvlab.spec import spec_from_config
+from tests.conftest import llama_like
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+
+
+def tiny_model(dtype="fp32", **over):
+    return build_model(spec_from_config(llama_like(**{**TINY, **over})), dtype, random_weights=True, seed=1)
+
+
+def test_counted_tensors_match_formula():
+    model = tiny_model("bf16")
+    c = count_cache(model, 100)
+    assert c.tensors == 2 * 2  # K and V per layer
+    assert c.shapes == [[1, 2, 100, 16]]
+    assert c.dtype == "bf16"
+    assert c.total_bytes == c.formula_bytes == 100 * c.formula_bytes_per_token
+    assert c.formula_bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (K,V) x heads x dim x bytes
+
+
+def test_sliding_window_cache_is_capped():
+    model = tiny_model(model_type="mistral", sliding_window=32)
+    c = count_cache(model, 100)
+    assert c.shapes == [[1, 2, 32, 16]]
+    assert c.total_bytes == c.formula_bytes == model.spec.kv_bytes_per_sequence(100, "fp32")
+
+
+def test_allocated_slope_equals_formula():
+    s = cache_slope(tiny_model(), [32, 64, 128])
+    assert s.allocated_bytes == s.formula_bytes
+    assert s.slope_bytes_per_token == pytest.approx(s.formula_bytes_per_token)
+    assert abs(s.deviation_percent) < 1e-9
+
+
+def test_all_position_logits_dominate_prefill_memory():
+    model = tiny_model(vocab_size=8192)  # vocab >> hidden, as in real models
+    p = prefill_memory(model, 256)
+    assert p.logits_bytes_all_positions == 256 * 8192 * 4
+    assert p.extra_all_positions >= p.logits_bytes_all_positions > p.extra_last_only
+    assert 50 < p.logits_share_percent <= 100
+    assert p.logits_to_kv_ratio == pytest.approx(8192 * 4 / (2 * 2 * 2 * 16 * 4))
+
+
+def test_cache_vs_no_cache_rows():
+    rows = cache_vs_no_cache(tiny_model(), prompt=16, new_tokens=[8, 16])
+    assert [r.tokens_with_cache for r in rows] == [23, 31]
+    assert [r.tokens_without_cache for r in rows] == [8 * 16 + 28, 16 * 16 + 120]
+    assert all(r.identical_tokens == r.new_tokens for r in rows)  # fp32: no ties
+    assert all(r.seconds_with_cache > 0 and r.seconds_without_cache > 0 for r in rows)
+
+
+def test_cli_json_and_plot(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(llama_like(**TINY)))
+    png = tmp_path / "m.png"
+    argv = ["measure", str(cfg), "--random-weights", "--dtype", "fp32", "--contexts", "16,32",
+            "--new-tokens", "4,8", "--prompt", "8", "--json", "--plot", str(png)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["formula_bytes_per_token"] == out["counted_bytes_per_token"] == out["slope_bytes_per_token"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_rejects_context_beyond_model(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(llama_like(**TINY)))
+    assert main(["measure", str(cfg), "--random-weights", "--contexts", "1024"]) == 2
+    assert "exceeds the model's maximum" in capsys.readouterr().err
