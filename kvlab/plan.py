@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvlab.dtypes import StorageDtype, kv_dtype, matrix_bytes, weight_dtype
+from kvlab.engine.sizing import kv_cache_capacity
 from kvlab.hardware import Device, get_device
 from kvlab.spec import LayerSpec, ModelSpec
 
@@ -32,6 +33,9 @@ class PlanRequest:
     gpu_memory: int | None = None  # override the device's memory (bytes)
     prompt: int = 128  # for the cache / no-cache work table
     new_tokens: tuple[int, ...] = (64, 128, 256, 512)
+    kv_memory: int | None = None  # the engine's KV budget (bytes): sizes its block pool
+    block_size: int = 16  # tokens per engine KV block
+    max_model_len: int | None = None  # for the engine's max concurrency (default: context)
 
     def validate(self, spec: ModelSpec) -> None:
         checks = [
@@ -43,6 +47,10 @@ class PlanRequest:
             (self.tp is None or self.tp >= 1, f"--tp must be at least 1, got {self.tp}"),
             (self.prompt >= 1, f"--prompt must be at least 1, got {self.prompt}"),
             (self.gpu_memory is None or self.gpu_memory > 0, "--gpu-memory must be positive"),
+            (self.kv_memory is None or self.kv_memory > 0, "--kv-memory must be positive"),
+            (self.block_size >= 1, f"--block-size must be at least 1, got {self.block_size}"),
+            (self.max_model_len is None or self.max_model_len >= 1,
+             f"--max-model-len must be at least 1, got {self.max_model_len}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -98,6 +106,10 @@ class Plan:
     vllm_flags: str
     notes: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
+    # the engine's block pool for --kv-memory (kvlab.engine.sizing: what the engine allocates)
+    kv_cache_blocks: int | None = None
+    kv_cache_tokens: int | None = None
+    max_concurrency: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -308,6 +320,14 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
             lo, hi = (mid, hi) if mid * per_seq_gpu < weights_read(mid) else (lo, mid)
         crossover = hi
 
+    capacity = None
+    if req.kv_memory is not None:
+        try:
+            capacity = kv_cache_capacity(spec, req.kv_memory, req.block_size, kvd.name,
+                                         req.max_model_len or T)
+        except ValueError as e:
+            notes.append(f"engine KV cache: {e}")
+
     vllm_kv = {"bf16": "auto", "fp16": "auto", "fp32": "auto", "fp8_e4m3": "fp8_e4m3",
                "fp8_e5m2": "fp8_e5m2"}.get(kvd.name)
     flags = [f"--max-model-len {T}", f"--max-num-seqs {max(1, min(B, max_seqs // replicas or 1))}",
@@ -352,5 +372,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
             "decode_step": "(weights read + KV of the batch) / memory bandwidth, per GPU at this TP",
             "ttft": "max(prefill FLOPs / peak dense FLOP/s, weights / bandwidth)",
             "crossover": "smallest batch whose cache reads >= weight reads at this context",
+            "kv_cache_blocks": "(kv_memory - fp8 scales) // (block_size x kv_bytes_per_token); "
+                               "max_concurrency = blocks / blocks one max_model_len sequence holds",
         },
+        kv_cache_blocks=capacity.blocks if capacity else None,
+        kv_cache_tokens=capacity.tokens if capacity else None,
+        max_concurrency=capacity.max_concurrency if capacity else None,
     )

@@ -1,0 +1,16 @@
+"""The paged KV-cache engine: continuous batching over a block pool with prefix caching.
+
+    sequence.py    a request's tokens, block tables and status
+    block_pool.py  blocks, reference counts, chained prefix hashes, LRU of cached free blocks
+    kv_manager.py  block tables across layer groups: prefix hits, sliding windows, swap bookkeeping
+    scheduler.py   continuous batching, chunked prefill, preemption
+    sizing.py      blocks / tokens / max concurrency of a KV budget (shared with kvlab.plan)
+    kv_cache.py    the tensors: per-layer blocks, fp8 / int8 with scales, the host swap pool
+    attention.py   paged attention backend (plain PyTorch)
+    runner.py      a scheduled step -> tensors -> model
+    engine.py      LLMEngine: requests in, token deltas out; metrics
+    llm.py         LLM: the public API
+    options.py     EngineOptions and their CLI flags
+
+Nothing is imported here, so ``kvlab plan`` can use ``sizing`` without loading torch.
+"""

@@ -1,0 +1,94 @@
+"""How many KV blocks a memory budget buys: the one formula the engine allocates by and the planner
+prints, so `kvlab plan --kv-memory` and the engine's start-up line can never disagree.
+
+Layers are grouped by how far back they attend (full layers, or sliding layers of one window);
+each group gets its own block pool and block table per sequence. Every group gets the same number
+of blocks, so one "block" means `block_size` tokens of every layer and costs
+`block_size x spec.kv_bytes_per_token(dtype)` bytes: the planner's bytes per token are exactly what
+the engine allocates. (A hybrid model's sliding pool is thus sized like its full pool; vLLM's
+shared-page allocator reclaims that, at the price of many more block tables. All-sliding models,
+Mistral-style, do get the window's saving: their sequences stop growing at the window.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.dtypes import kv_dtype as lookup_kv_dtype
+from kvlab.spec import ModelSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that share one block pool and one block table per sequence: same attention span."""
+
+    kind: str  # the layers' LayerSpec.kind: full (or mla) / sliding (or chunked)
+    window: int | None  # tokens a query sees (itself included); None = everything before it
+    layers: tuple[int, ...]
+
+    def blocks_per_seq(self, num_tokens: int, block_size: int) -> int:
+        """Most blocks a sequence of `num_tokens` cached positions holds at once in this group.
+
+        A window of W tokens straddles at most cdiv(W - 1, block_size) + 1 blocks.
+        """
+        full = cdiv(num_tokens, block_size)
+        if self.window is None:
+            return full
+        return min(full, cdiv(self.window - 1, block_size) + 1)
+
+
+def layer_groups(spec: ModelSpec) -> list[LayerGroup]:
+    """The block-pool groups of a model, in order of first layer. Raises ValueError for layers with
+    per-sequence state (SSM), which a block pool cannot hold."""
+    if any(layer.state_elems for layer in spec.layers):
+        raise ValueError(f"{spec.name}: SSM / linear-attention state is not paged by kvlab's engine")
+    keys: dict[tuple[str, int | None], list[int]] = {}
+    for i, layer in enumerate(spec.layers):
+        if not layer.has_kv:
+            continue
+        windowed = layer.kind in ("sliding", "chunked") and layer.window
+        keys.setdefault((layer.kind, layer.window if windowed else None), []).append(i)
+    if not keys:
+        raise ValueError(f"{spec.name}: no layer keeps a KV cache")
+    return [LayerGroup(kind, window, tuple(ids)) for (kind, window), ids in keys.items()]
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What a KV budget holds. `blocks` is the count in each group's pool."""
+
+    blocks: int
+    tokens: int  # blocks x block_size: token slots in every layer
+    max_concurrency: float  # sequences of max_model_len tokens that fit at once
+    bytes: int  # allocated: blocks x block_size x bytes_per_token + per-layer fp8 scales
+    bytes_per_token: int
+    block_size: int
+    max_model_len: int
+    kv_dtype: str
+
+
+def kv_cache_capacity(spec: ModelSpec, kv_memory: int, block_size: int, kv_dtype: str,
+                      max_model_len: int) -> KVCapacity:
+    """Blocks, tokens and max concurrency that `kv_memory` bytes of `kv_dtype` cache give `spec`."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+    if kv_memory < 0:
+        raise ValueError(f"kv_memory must be >= 0, got {kv_memory}")
+    dtype = lookup_kv_dtype(kv_dtype)
+    groups = layer_groups(spec)
+    per_token = spec.kv_bytes_per_token(dtype)
+    fixed = dtype.fixed_bytes_per_tensor * 2 * sum(len(g.layers) for g in groups)
+    blocks = max(0, (kv_memory - fixed) // (block_size * per_token))
+    per_seq = max(g.blocks_per_seq(max_model_len, block_size) for g in groups)
+    return KVCapacity(
+        blocks=blocks, tokens=blocks * block_size, max_concurrency=blocks / per_seq,
+        bytes=blocks * block_size * per_token + fixed,
+        bytes_per_token=per_token, block_size=block_size, max_model_len=max_model_len,
+        kv_dtype=dtype.name,
+    )
