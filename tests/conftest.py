@@ -1,4 +1,8 @@
 import pytest
+import torch
+
+# Tiny test models run fastest on one thread; more threads only fight over 2 shared cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,136 @@
+"""Paged attention in plain PyTorch: the backend the model calls as ``attn.attend(layer, q, k, v)``.
+
+Per step the runner prepares, for each layer group, where each new token's K/V go (slot mapping)
+and which slots each sequence reads (its block table expanded over the positions it can see: its
+whole context, or its window). Each layer then writes the new K/V through the slot mapping and
+reads, per sequence, only the slots it can see:
+- prefill chunks (several new tokens of one sequence): one SDPA each, causal over the cached
+  prefix plus the chunk (a window mask on sliding layers);
+- decodes (one new token each): bucketed by context length (lengths within 3/4 of the bucket's
+  longest share one padded SDPA), so the work follows the tokens actually cached, not the longest
+  sequence of the batch.
+A GPU kernel (FlashAttention's varlen / paged KV) would replace ``attend`` and reuse the metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.sizing import LayerGroup, cdiv
+from kvlab.models.attention import _mask, _sdpa
+
+BUCKET_RATIO = 0.75  # a decode joins a bucket if its context is >= 3/4 of the bucket's longest
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's part of the step: compute positions [start, start + num_tokens)."""
+
+    block_tables: list[list[int]]  # per group
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    rows: slice  # query rows in the flat batch
+    key_slots: Tensor  # [L] slots of the positions the chunk's queries can see
+    mask: Tensor | None  # [n, L] True = attend; None with causal (or nothing to mask)
+    causal: bool
+
+
+@dataclass(frozen=True)
+class DecodeBucket:
+    rows: Tensor  # [b] query rows
+    key_slots: Tensor  # [b, L], padded with each row's last slot
+    mask: Tensor | None  # [b, 1, 1, L] True = real key; None when no row is padded
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One layer group's view of the step."""
+
+    slot_mapping: Tensor  # [T] where each new token's K/V go
+    prefills: list[PrefillSpan]
+    decodes: list[DecodeBucket]
+
+
+def token_slots(table: list[int], start: int, end: int, block_size: int) -> Tensor:
+    """Slots of positions [start, end) through a block table."""
+    first = start // block_size
+    blocks = torch.tensor(table[first:cdiv(end, block_size)], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    return slots[start - first * block_size:end - first * block_size]
+
+
+def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, block_size: int,
+                     device: torch.device | str) -> GroupStep:
+    """Slot mapping, prefill spans and decode buckets of one group for this step."""
+    window = group.window
+    mapping, prefills, decodes = [], [], []
+    row = 0
+    for span in spans:
+        start, n = span.start, span.num_tokens
+        end = start + n
+        k_start = 0 if window is None else max(0, start - window + 1)
+        slots = token_slots(span.block_tables[group_idx], k_start, end, block_size)
+        mapping.append(slots[-n:])
+        if n == 1:
+            decodes.append((row, slots))
+        else:
+            causal = start == 0 and (window is None or window >= n)
+            mask = None
+            if not causal:
+                mask = _mask(torch.arange(start, end), torch.arange(k_start, end), window).to(device)
+            prefills.append(PrefillSpan(slice(row, row + n), slots.to(device), mask, causal))
+        row += n
+    return GroupStep(torch.cat(mapping).to(device), prefills, _buckets(decodes, device))
+
+
+def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str) -> list[DecodeBucket]:
+    """Group decodes of similar context length; pad each bucket to its longest."""
+    out = []
+    pending = sorted(decodes, key=lambda d: -len(d[1]))
+    while pending:
+        longest = len(pending[0][1])
+        take = [d for d in pending if len(d[1]) >= BUCKET_RATIO * longest]
+        pending = pending[len(take):]
+        lengths = torch.tensor([len(s) for _, s in take])
+        slots = torch.stack([torch.cat([s, s[-1:].expand(longest - len(s))]) for _, s in take])
+        mask = None
+        if int(lengths.min()) < longest:
+            mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :].to(device)
+        out.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device),
+                                slots.to(device), mask))
+    return out
+
+
+class PagedAttention:
+    """The attention backend over a PagedKVCache; `prepare` it before each forward pass."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.steps: list[GroupStep] = []
+
+    def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
+        self.steps = [build_group_step(spans, gi, g, self.cache.block_size, device)
+                      for gi, g in enumerate(self.cache.groups)]
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        step = self.steps[self.cache.group_of[layer_idx]]
+        self.cache.write(layer_idx, k, v, step.slot_mapping)
+        out = torch.empty_like(q)
+        for p in step.prefills:
+            keys, vals = self.cache.read(layer_idx, p.key_slots, q.dtype)  # [L, KV, D]
+            o = _sdpa(q[p.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                      vals.transpose(0, 1)[None], p.mask, is_causal=p.causal)
+            out[p.rows] = o[0].transpose(0, 1)
+        for b in step.decodes:
+            keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [b, L, KV, D]
+            o = _sdpa(q[b.rows][:, :, None], keys.transpose(1, 2), vals.transpose(1, 2), b.mask)
+            out[b.rows] = o[:, :, 0]
+        return out

@@ -1,0 +1,243 @@
+"""LLMEngine: requests in, token deltas out. One ``step()`` = schedule, run the model, sample,
+then apply stop rules exactly as the plain loop (``kvlab.generate``) does, so greedy output is the
+same token for token."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.kv_manager import KVCacheManager
+from kvlab.engine.options import EngineOptions
+from kvlab.engine.runner import ModelRunner
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.sequence import Sequence
+from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups
+from kvlab.generate import IncrementalDetokenizer
+from kvlab.models.llama import CausalLM
+from kvlab.models.loader import TextTokenizer
+from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher
+from kvlab.units import fmt_bytes
+
+log = logging.getLogger("kvlab.engine")
+
+CPU_KV_MEMORY = 2**30  # default cache on CPU (vLLM's CPU backend also takes a fixed KV space)
+MODEL_KV_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: what is new (`new_*`) and everything so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far (a final EOS included, as kvlab.generate reports)
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # stop | length | abort
+    ttft_s: float | None  # from add_request to the first token
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_preemptions: int
+
+
+@dataclass
+class EngineMetrics:
+    """Counters and gauges (the future server exports these)."""
+
+    kv_cache_blocks: int  # blocks per layer group (the planner's figure)
+    kv_cache_tokens: int
+    max_concurrency: float
+    kv_blocks_used: int  # summed over layer groups
+    kv_blocks_total: int
+    kv_usage: float  # used / total
+    prefix_cache_queries: int  # prompt tokens looked up (first admissions)
+    prefix_cache_hits: int  # of which served from the cache
+    preemptions: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    running: int
+    waiting: int
+    swapped: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    detok: IncrementalDetokenizer | None
+    matcher: StopStringMatcher
+    arrival: float
+    ttft_s: float | None = None
+    text: str = ""
+
+
+def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
+    """Bytes for the cache: --kv-memory, else the part of mem_util x device memory left after
+    the weights and one step's activations, else (CPU) a fixed 1 GiB."""
+    if options.kv_memory is not None:
+        return options.kv_memory
+    device = model.device
+    if options.mem_util is None and device.type == "cpu":
+        return CPU_KV_MEMORY
+    util = options.mem_util if options.mem_util is not None else 0.9
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    spec, elem = model.spec, model.dtype.itemsize
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    inter = int(spec.config.get("intermediate_size", 4 * spec.hidden_size))
+    activations = (options.max_num_batched_tokens * (4 * spec.hidden_size + 2 * inter) * elem
+                   + options.max_num_seqs * spec.vocab_size * 4)
+    kv = int(total * util) - weights - activations
+    if kv <= 0:
+        raise ValueError(f"mem_util {util} of {fmt_bytes(total)} leaves nothing for the KV cache "
+                         f"after {fmt_bytes(weights)} of weights")
+    return kv
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer: TextTokenizer | None = None,
+                 options: EngineOptions = EngineOptions()) -> None:
+        spec = model.spec
+        limit = spec.max_position_embeddings
+        max_model_len = options.max_model_len or limit
+        if limit and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.max_model_len = max_model_len
+        kv_dtype = MODEL_KV_DTYPE[model.dtype] if options.kv_dtype == "auto" else options.kv_dtype
+        self.capacity: KVCapacity = kv_cache_capacity(spec, kv_memory_for(options, model),
+                                                      options.block_size, kv_dtype, max_model_len)
+        blocks = self.capacity.blocks
+        if blocks == 0:
+            raise ValueError(f"the KV memory buys no block: one block of {options.block_size} "
+                             f"tokens takes {fmt_bytes(options.block_size * self.capacity.bytes_per_token)}")
+        groups = layer_groups(spec)
+        swap = options.preemption != "recompute"
+        self.kv = KVCacheManager(groups, blocks, options.block_size, options.prefix_caching,
+                                 num_host_blocks=blocks if swap else 0)
+        self.cache = PagedKVCache(spec, groups, blocks, options.block_size, kv_dtype, model.device)
+        if self.cache.nbytes != self.capacity.bytes:
+            raise RuntimeError(f"KV cache allocated {self.cache.nbytes} B, sizing said "
+                               f"{self.capacity.bytes} B")
+        if swap:
+            self.cache.attach_host_pool(blocks, "ram" if options.preemption == "swap-ram" else "disk")
+        self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
+                                   max_model_len, swap)
+        self.runner = ModelRunner(model, self.cache)
+        self.requests: dict[str, _Request] = {}
+        self._next_id = 0
+        c = self.capacity
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %s (%s, %d layer group%s); "
+                 "max concurrency at %d tokens: %.2fx", blocks, c.block_size, c.tokens,
+                 fmt_bytes(c.bytes), c.kv_dtype, len(groups), "s" if len(groups) > 1 else "",
+                 max_model_len, c.max_concurrency)
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request; ValueError now (not later) if it can never run."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        vocab = self.model.spec.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        seq = Sequence(request_id, ids, params.max_tokens, cache_salt)
+        self.scheduler.add(seq)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.model.eos_token_ids)
+        self.requests[request_id] = _Request(
+            seq, params, Sampler(params, self.model.device), frozenset(stop_ids),
+            IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
+            StopStringMatcher(params.stop), time.perf_counter())
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request now; its blocks are freed (or cached) before this returns."""
+        req = self.requests.pop(request_id)
+        self.scheduler.finish(request_id)
+        return self._output(req, [], "", "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over the scheduled tokens; an output per request that got a token."""
+        out = self.scheduler.schedule()
+        if not out.chunks and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler made no progress with requests pending")
+        logits = self.runner.execute(out)
+        seqs = [c.seq for c in out.chunks if c.samples]
+        tokens = self._sample(seqs, logits)
+        self.scheduler.update(out, {s.request_id: t for s, t in zip(seqs, tokens)})
+        now = time.perf_counter()
+        return [self._advance(self.requests[s.request_id], t, now) for s, t in zip(seqs, tokens)]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        reqs = [self.requests[s.request_id] for s in seqs]
+        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else []
+        return [greedy[i] if r.params.greedy else int(r.sampler(logits[i:i + 1])[0])
+                for i, r in enumerate(reqs)]
+
+    def _advance(self, req: _Request, token: int, now: float) -> RequestOutput:
+        """The plain loop's stop rules: stop ids, then stop strings, then length."""
+        if req.ttft_s is None:
+            req.ttft_s = now - req.arrival
+        seq, finish, delta = req.seq, None, ""
+        if token in req.stop_ids:
+            finish = "stop"
+        elif req.detok is not None:
+            delta = req.matcher.feed(req.detok.add(token))
+            if req.matcher.stopped:
+                finish = "stop"
+        if finish is None and (len(seq.output_ids) >= req.params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish and req.detok is not None and not req.matcher.stopped:
+            delta += req.matcher.feed(req.detok.flush()) + req.matcher.flush()
+        req.text += delta
+        if finish:
+            del self.requests[seq.request_id]
+            self.scheduler.finish(seq.request_id)
+        return self._output(req, [token], delta, finish)
+
+    def _output(self, req: _Request, new: list[int], delta: str, finish: str | None) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=seq.output_ids, text=req.text, new_token_ids=new, new_text=delta,
+            finished=finish is not None, finish_reason=finish, ttft_s=req.ttft_s,
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+
+    # --- figures --------------------------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        c, kv, s = self.capacity, self.kv, self.scheduler
+        return EngineMetrics(
+            kv_cache_blocks=c.blocks, kv_cache_tokens=c.tokens, max_concurrency=c.max_concurrency,
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks * len(kv.pools),
+            kv_usage=kv.usage, prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
+            swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
+            running=len(s.running), waiting=s.num_waiting, swapped=s.num_swapped)

@@ -1,0 +1,164 @@
+"""The KV tensors: per layer one K and one V tensor of blocks, in the storage format asked for,
+and a host pool (RAM, or a file on disk) that preempted sequences' blocks are swapped to.
+
+Layout per layer: [num_blocks, block_size, kv_heads, head_dim], so token slot s = block *
+block_size + offset is row s of the flattened tensor; the runner hands out slots, this module
+only writes rows and reads them back. Formats (``kvlab.dtypes``):
+- fp32 / bf16 / fp16: stored as is (cast if it differs from the model's dtype);
+- fp8_e4m3 / fp8_e5m2: torch.float8_* with one fp32 scale per layer for K and one for V, taken
+  from the first tokens written (amax / fp8 max, with headroom); values beyond saturate;
+- int8: q8_0 style, one fp16 scale per 32 elements of each head vector.
+Each layer's bytes per slot equal ``LayerSpec.kv_bytes_per_token`` for that format, so the cache
+holds exactly what ``kvlab plan`` prints.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kvlab.dtypes import kv_dtype as lookup_kv_dtype
+from kvlab.engine.kv_manager import BlockCopies
+from kvlab.engine.sizing import LayerGroup
+from kvlab.spec import ModelSpec
+
+STORAGE: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8,
+}
+FP8_HEADROOM = 4.0  # the first tokens' largest value lands at 1/4 of the fp8 range
+INT8_GROUP = 32
+
+
+class PagedKVCache:
+    """Block tensors of every layer with a KV cache, grouped as the block pools are."""
+
+    def __init__(self, spec: ModelSpec, groups: list[LayerGroup], num_blocks: int, block_size: int,
+                 kv_dtype: str, device: torch.device | str = "cpu") -> None:
+        self.format = lookup_kv_dtype(kv_dtype)
+        if self.format.name not in STORAGE:
+            raise ValueError(f"the engine stores KV as {', '.join(STORAGE)}; not {self.format.name}")
+        self.storage = STORAGE[self.format.name]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.groups = groups
+        self.group_of: dict[int, int] = {i: g for g, grp in enumerate(groups) for i in grp.layers}
+        self.quantised = self.format.name.startswith("fp8") or self.format.name == "int8"
+        # per layer: the tensors indexed by block (K, V, and for int8 their scales)
+        self.blocks: dict[int, list[Tensor]] = {}
+        self.scales: dict[int, Tensor] = {}  # fp8: [2] fp32 (K scale, V scale)
+        self._calibrated: set[tuple[int, int]] = set()  # (layer, 0 for K / 1 for V)
+        for i in self.group_of:
+            layer = spec.layers[i]
+            if self.format.name == "int8" and layer.head_dim % INT8_GROUP:
+                raise ValueError(f"int8 KV needs head_dim divisible by {INT8_GROUP}, "
+                                 f"layer {i} has {layer.head_dim}")
+            tensors = [torch.zeros(num_blocks, block_size, layer.kv_heads, d, dtype=self.storage,
+                                   device=device)
+                       for d in (layer.head_dim, layer.v_head_dim or layer.head_dim)]
+            if self.format.name == "int8":
+                tensors += [torch.zeros(*t.shape[:3], t.shape[3] // INT8_GROUP, dtype=torch.float16,
+                                        device=device) for t in tensors]
+            self.blocks[i] = tensors
+            if self.format.name.startswith("fp8"):
+                self.scales[i] = torch.zeros(2, dtype=torch.float32, device=device)
+        self.host: dict[int, list[Tensor]] = {}
+        self._host_storage: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated on the device: block tensors plus the fp8 per-layer scales."""
+        return (sum(t.numel() * t.element_size() for ts in self.blocks.values() for t in ts)
+                + sum(s.numel() * s.element_size() for s in self.scales.values()))
+
+    # --- writing and reading slots --------------------------------------------------------------
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """Store new tokens' K/V [T, kv_heads, D] at slots [T]."""
+        tensors = self.blocks[layer]
+        for j, x in enumerate((k, v)):
+            flat = tensors[j].view(-1, *tensors[j].shape[2:])
+            if self.format.name == "int8":
+                q, scale = _int8_quantise(x)
+                flat[slots] = q
+                tensors[2 + j].view(-1, *tensors[2 + j].shape[2:])[slots] = scale
+            elif layer in self.scales:
+                scale = self.scales[layer]
+                fmax = torch.finfo(self.storage).max
+                if (layer, j) not in self._calibrated:  # the layer's first write sets its scale
+                    self._calibrated.add((layer, j))
+                    scale[j] = (x.detach().abs().max().float() * FP8_HEADROOM / fmax).clamp(min=1e-12)
+                flat[slots] = (x.float() / scale[j]).clamp(-fmax, fmax).to(self.storage)
+            else:
+                flat[slots] = x.to(self.storage)
+
+    def read(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """K and V at slots (any shape S) -> [*S, kv_heads, D] in `dtype`, dequantised."""
+        tensors = self.blocks[layer]
+        out = []
+        for j in range(2):
+            flat = tensors[j].view(-1, *tensors[j].shape[2:])
+            x = flat[slots]
+            if self.format.name == "int8":
+                scale = tensors[2 + j].view(-1, *tensors[2 + j].shape[2:])[slots]
+                x = (x.float().unflatten(-1, (-1, INT8_GROUP)) * scale.float()[..., None]).flatten(-2)
+            elif layer in self.scales:
+                x = x.float() * self.scales[layer][j]
+            out.append(x.to(dtype))
+        return out[0], out[1]
+
+    # --- swapping ------------------------------------------------------------------------------
+    def attach_host_pool(self, num_blocks: int, where: Literal["ram", "disk"]) -> None:
+        """Allocate the host pool: the same block tensors with `num_blocks` blocks, in RAM or in a
+        memory-mapped file (created in the temp directory and unlinked at once: it disappears
+        with the process)."""
+        sizes = [t[0].numel() * t.element_size() * num_blocks for ts in self.blocks.values() for t in ts]
+        total = sum(-(-s // 64) * 64 for s in sizes)  # 64-byte aligned slices
+        if where == "disk":
+            fd, path = tempfile.mkstemp(prefix="kvlab-swap-", suffix=".bin")
+            os.close(fd)
+            try:
+                storage = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            finally:
+                os.unlink(path)
+        else:
+            storage = torch.zeros(total, dtype=torch.uint8)
+        offset = 0
+        for layer, tensors in self.blocks.items():
+            views = []
+            for t in tensors:
+                n = t[0].numel() * t.element_size() * num_blocks
+                views.append(storage[offset:offset + n].view(t.dtype).view(num_blocks, *t.shape[1:]))
+                offset += -(-n // 64) * 64
+            self.host[layer] = views
+        self._host_storage = storage
+
+    def swap_out(self, copies: BlockCopies) -> None:
+        """Copy (device block, host block) pairs, per group, to the host pool."""
+        self._copy(copies, self.blocks, self.host)
+
+    def swap_in(self, copies: BlockCopies) -> None:
+        """Copy (host block, device block) pairs, per group, back to the device."""
+        self._copy(copies, self.host, self.blocks)
+
+    def _copy(self, copies: BlockCopies, src: dict[int, list[Tensor]],
+              dst: dict[int, list[Tensor]]) -> None:
+        for group, pairs in zip(self.groups, copies):
+            if not pairs:
+                continue
+            a = torch.tensor([p[0] for p in pairs])
+            b = torch.tensor([p[1] for p in pairs])
+            for layer in group.layers:
+                for s, d in zip(src[layer], dst[layer]):
+                    d[b.to(d.device)] = s[a.to(s.device)].to(d.device)
+
+
+def _int8_quantise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., D] -> int8 values and one fp16 scale per 32 elements (amax / 127)."""
+    groups = x.float().unflatten(-1, (-1, INT8_GROUP))
+    scale = (groups.abs().amax(-1) / 127).to(torch.float16)
+    safe = scale.float().clamp(min=torch.finfo(torch.float16).tiny)
+    q = (groups / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.flatten(-2), scale

@@ -1,0 +1,108 @@
+"""The public API: ``LLM(model, **engine_options).generate(prompts, SamplingParams(...))``.
+
+    from kvlab import LLM, SamplingParams
+    llm = LLM("path/to/checkpoint", kv_memory="512MiB", block_size=16)
+    for out in llm.generate(["Hello", "Bonjour"], SamplingParams(temperature=0, max_tokens=32)):
+        print(out.text, out.finish_reason, out.ttft_s, out.num_cached_tokens)
+    for delta in llm.stream(["Hello"], SamplingParams(max_tokens=32)):
+        print(delta.new_text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvlab.engine.engine import EngineMetrics, LLMEngine, RequestOutput
+from kvlab.engine.options import EngineOptions
+from kvlab.engine.sizing import KVCapacity
+from kvlab.models.llama import CausalLM
+from kvlab.models.loader import TextTokenizer, load
+from kvlab.sampling import SamplingParams
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+
+Prompt = str | list[int]
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+class LLM:
+    """A model behind the paged engine. ``model``: a checkpoint folder (default: the bundled demo
+    model), a catalogue name / config.json with ``random_weights=True``, or a built CausalLM.
+    Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, ...)."""
+
+    def __init__(self, model: str | Path | CausalLM | None = None, *,
+                 tokenizer: TextTokenizer | None = None, dtype: str = "bf16", device: str = "cpu",
+                 random_weights: bool = False, seed: int = 0, **engine_options: Any) -> None:
+        options = EngineOptions(**engine_options)
+        if isinstance(model, CausalLM):
+            built = model
+        else:
+            path = model if model is not None else DEMO_MODEL
+            if model is None and not (DEMO_MODEL / "config.json").is_file():
+                raise ValueError(f"no model given and the bundled demo model is missing at {DEMO_MODEL}")
+            loaded = load(path, dtype, device=device, random_weights=random_weights, seed=seed)
+            built, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+        self.engine = LLMEngine(built, tokenizer, options)
+
+    @property
+    def capacity(self) -> KVCapacity:
+        return self.engine.capacity
+
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run the prompts together to the end; final outputs in prompt order."""
+        final: dict[str, RequestOutput] = {}
+        ids = self._add(prompts, params, cache_salt)
+        for out in self._run(ids):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None,
+               cache_salt: str | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's update as soon as its step ends (`new_token_ids`, `new_text`).
+        Leaving the loop early aborts the requests still running."""
+        return self._run(self._add(prompts, params, cache_salt))
+
+    def _add(self, prompts: Prompt | Sequence[Prompt],
+             params: SamplingParams | Sequence[SamplingParams] | None,
+             cache_salt: str | None) -> list[str]:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and all(isinstance(p, int) for p in prompts))
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            per = [params or SamplingParams()] * len(batch)
+        else:
+            per = list(params)
+            if len(per) != len(batch):
+                raise ValueError(f"{len(per)} SamplingParams for {len(batch)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, per):
+                ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+        except ValueError:
+            for rid in ids:  # all or nothing
+                self.engine.abort_request(rid)
+            raise
+        return ids
+
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in pending:
+                self.engine.abort_request(rid)

@@ -1,0 +1,100 @@
+"""The engine's options, defined once: the same names as ``LLM(...)`` keyword arguments and as
+CLI flags (``block_size`` <-> ``--block-size``) on every command that runs the engine."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from kvlab.units import parse_bytes
+
+PREEMPTION_MODES = ("recompute", "swap-ram", "swap-disk")
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _opt(default: Any, help: str, **flag: Any) -> Any:
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    block_size: int = _opt(16, "tokens per KV block (default 16)", type=_positive_int, metavar="N")
+    kv_memory: int | None = _opt(
+        None, "bytes for the KV cache, e.g. 2GiB (default: --mem-util on a GPU, 1 GiB on CPU)",
+        type=_byte_size, metavar="BYTES")
+    mem_util: float | None = _opt(
+        None, "fraction of device memory for weights + activations + KV cache, the rest of which "
+        "the cache gets (default 0.9 on a GPU)", type=_fraction, metavar="FRACTION")
+    kv_dtype: str = _opt("auto", "KV storage: auto (the model's dtype), fp32, bf16, fp16, "
+                         "fp8_e4m3, fp8_e5m2, int8", choices=KV_DTYPES)
+    max_model_len: int | None = _opt(
+        None, "longest sequence, prompt + output (default: the model's max_position_embeddings)",
+        type=_positive_int, metavar="N")
+    max_num_seqs: int = _opt(256, "sequences running at once (default 256)",
+                             type=_positive_int, metavar="N")
+    max_num_batched_tokens: int = _opt(2048, "tokens per step, decodes + prefill chunks "
+                                       "(default 2048)", type=_positive_int, metavar="N")
+    preemption: str = _opt("recompute", "when blocks run out: free and recompute, or copy blocks "
+                           "to RAM / a file on disk and back", choices=PREEMPTION_MODES)
+    prefix_caching: bool = _opt(True, "turn prefix caching off (on by default: full blocks of "
+                                "earlier requests are kept and reused)",
+                                flag="--no-prefix-caching", action="store_false")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_memory, str):
+            object.__setattr__(self, "kv_memory", parse_bytes(self.kv_memory))
+        positive = ("block_size", "kv_memory", "max_model_len", "max_num_seqs",
+                    "max_num_batched_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.mem_util is not None and not 0 < self.mem_util <= 1:
+            raise ValueError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every EngineOptions field as a flag (read back with EngineOptions.from_args)."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineOptions):
+        meta = dict(f.metadata)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        default = f.default if f.default is not MISSING else None
+        group.add_argument(flag, dest=f.name, default=default, **meta)

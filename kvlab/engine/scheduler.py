@@ -1,0 +1,185 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Each step (as vLLM v1) spends a token budget: first on the running sequences in admission order
+(one token for a decode, a chunk for an unfinished prefill), then on admitting waiting ones (FCFS,
+preempted ones first). A prefill longer than what is left of the budget runs in chunks over
+several steps. When a running sequence needs blocks and none are left, the latest-admitted
+sequence is preempted: its blocks are freed (recompute: it restarts from its prefix-cache hits)
+or copied to the host pool (swap), and it goes back to the front of the queue. Either way the
+tokens it will produce are the same; only the time differs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlab.engine.kv_manager import BlockCopies, KVCacheManager
+from kvlab.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute positions [start, start + num_tokens) of `seq` in this step. `samples`: the chunk
+    reaches the sequence's last token, so its logits give the next token."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, start: int, num_tokens: int) -> ScheduledChunk:
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    swap_out: BlockCopies  # (device, host) per group: run before the forward pass
+    swap_in: BlockCopies  # (host, device) per group: run after swap_out, before the forward pass
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, swap: bool = False) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.swap = swap
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (first admissions)
+        self.prefix_hits = 0  # of which found cached
+        self._admissions = 0
+
+    # --- requests -------------------------------------------------------------------------------
+    def check(self, seq: Sequence) -> None:
+        """Refuse (ValueError) a request that could never run, so it cannot stall the queue."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        prompt = seq.num_tokens
+        if prompt == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if prompt > self.max_model_len:
+            raise ValueError(f"prompt is {prompt} tokens, longer than max_model_len "
+                             f"{self.max_model_len}")
+        final = min(prompt + seq.max_tokens, self.max_model_len)
+        positions = max(prompt, final - 1)  # the last sampled token's K/V is never computed
+        need = self.kv.blocks_needed(positions)
+        if need > self.kv.num_blocks:
+            bs = self.kv.block_size
+            raise ValueError(
+                f"prompt ({prompt} tokens) + max_tokens needs {need} KV blocks of {bs} tokens, "
+                f"the whole cache has {self.kv.num_blocks} ({self.kv.num_blocks * bs} tokens): "
+                f"lower max_tokens or raise kv_memory")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        seq.status = SeqStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, request_id: str) -> Sequence:
+        """End a request (finished or aborted): its blocks are released at once."""
+        seq = self.requests.pop(request_id)
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.waiting if s.status is SeqStatus.WAITING)
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for s in self.waiting if s.status is SeqStatus.SWAPPED)
+
+    # --- the step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [[] for _ in self.kv.groups], [[] for _ in self.kv.groups])
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            self.kv.free_outside_window(seq)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            start = seq.num_computed_tokens
+            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget))
+            while not self.kv.can_allocate(seq, n):
+                victim = self.running.pop()  # latest admitted
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            self.kv.allocate(seq, n)
+            out.chunks.append(ScheduledChunk.of(seq, start, n))
+            budget -= n
+            i += 1
+
+        # Admit only when nobody was preempted: swap-ins and swap-outs then never share a step
+        # (host blocks freed by a swap-in are not reused before its copy ran).
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hit = self.kv.find_prefix(seq) if seq.status is SeqStatus.WAITING else None
+            start = hit.tokens if hit is not None else seq.num_computed_tokens
+            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget))
+            if not self.kv.can_allocate(seq, n, hit):
+                break
+            copies = self.kv.allocate(seq, n, hit)
+            for group, pairs in zip(out.swap_in, copies):
+                group.extend(pairs)
+            self.waiting.popleft()
+            if seq.admitted < 0 and hit is not None:  # first admission: count the prefix cache
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += hit.tokens
+                seq.num_cached_tokens = hit.tokens
+            seq.status = SeqStatus.RUNNING
+            seq.admitted = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk.of(seq, start, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        copies = self.kv.swap_out(seq) if self.swap else None
+        if copies is not None:
+            for group, pairs in zip(out.swap_out, copies):
+                group.extend(pairs)
+            seq.status = SeqStatus.SWAPPED
+        else:  # recompute (or the host pool is full)
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """After the forward pass: the chunks' K/V exist now; append each sampled token."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv.cache_computed(seq)
+            if chunk.samples:
+                seq.append(sampled[seq.request_id])
