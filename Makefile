@@ -9,11 +9,19 @@ $(BIN)/kvlab: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# Browser tests drive Debian's Chromium (never a browser downloaded by Playwright).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+$(CHROMIUM):
+	$(SUDO) apt-get update
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+
 .PHONY: setup demo test
 setup: $(BIN)/kvlab
 
 demo: setup
 	$(BIN)/kvlab plan llama-3.1-70b --context 131072 --users 4 --gpus 8
 
-test: setup
+test: setup $(CHROMIUM)
 	$(BIN)/pytest

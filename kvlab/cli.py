@@ -183,6 +183,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+# --- bench -------------------------------------------------------------------------------------
+
+def _length_range(text: str) -> tuple[int, int]:
+    from kvlab.bench import parse_range
+
+    try:
+        return parse_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from kvlab.bench import Workload, bandwidth_bound, run_engine, run_hf
+    from kvlab.engine.options import EngineOptions
+    from kvlab.models import load, loader
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    options = EngineOptions.from_args(args)
+    work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed)
+    loaded = load(args.model or str(loader.DEMO_MODEL), args.dtype, device=args.device,
+                  random_weights=args.random_weights, seed=args.seed)
+    model = loaded.model
+    with Progress(transient=True, disable=args.json) as bar:
+        task = bar.add_task("kvlab engine", total=args.num_requests)
+        result, outputs = run_engine(model, options, work, lambda d, t: bar.update(task, completed=d))
+        if args.compare == "hf":
+            task = bar.add_task(f"transformers, batches of {args.hf_batch_size}", total=args.num_requests)
+            hf_tps, hf_out = run_hf(model, work, args.hf_batch_size, lambda d, t: bar.update(task, completed=d))
+            result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
+            result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
+    if result.decode_tokens_per_s is not None:
+        result.bound_tokens_per_s = bandwidth_bound(model, args.input_len[1] + args.output_len[1] // 2)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        from kvlab.render import print_bench
+
+        print_bench(result)
+    return 0
+
+
+# --- demo --------------------------------------------------------------------------------------
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvlab.demo import run_demo
+    from kvlab.render import print_demo
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    print_demo(run_demo(args.model, max_tokens=args.max_tokens))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvlab", description="Plan, run, measure and see the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -255,11 +315,46 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible server with /metrics and the live KV-cache page")
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from kvlab.engine.options import add_engine_args
+
+    p = sub.add_parser("bench", help="throughput and latency of the paged engine on a seeded workload")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled demo model), or with --random-weights a catalogue name")
+    p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
+    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument("--num-requests", type=_positive_int, default=64)
+    p.add_argument("--input-len", type=_length_range, default=(64, 512), help="prompt tokens, A:B (default 64:512)")
+    p.add_argument("--output-len", type=_length_range, default=(32, 256), help="new tokens, C:D (default 32:256)")
+    p.add_argument("--shared-prefix", type=_int_arg, default=0, help="tokens every prompt starts with")
+    p.add_argument("--seed", type=_int_arg, default=0)
+    p.add_argument("--compare", choices=["hf"], help="also run the requests through transformers")
+    p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size for --compare hf")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="kvlab's main job: the bundled model through the paged engine, "
+                       "with a cache small enough to preempt, beside the plan's prediction")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--max-tokens", type=_positive_int, default=48)
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"kvlab: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     from kvlab.spec import ConfigError
+
+    warnings.showwarning = _show_warning  # one plain line, no source location
 
     try:
         args = build_parser().parse_args(argv)

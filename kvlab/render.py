@@ -11,6 +11,8 @@ from kvlab.plan import Plan
 from kvlab.units import fmt_bytes, fmt_seconds
 
 if TYPE_CHECKING:
+    from kvlab.bench import BenchResult
+    from kvlab.demo import DemoReport
     from kvlab.measure import Measurement
 
 
@@ -117,3 +119,46 @@ def print_measurement(m: Measurement, console: Console | None = None) -> None:
         ct.add_row(str(r.new_tokens), fmt_seconds(r.seconds_with_cache), fmt_seconds(r.seconds_without_cache),
                    f"{r.time_ratio:.2f}x", f"{r.work_ratio:.1f}x", f"{r.identical_tokens}/{r.new_tokens}")
     c.print(ct)
+
+
+def print_bench(r: BenchResult, console: Console | None = None) -> None:
+    c = console or Console(width=max(Console().width, 110))
+    t = _table(f"kvlab bench: {r.model}, {r.num_requests} requests, {r.output_tokens:,} output tokens "
+               f"in {r.seconds:,.1f} s")
+    t.add_row("output tokens/s", f"{r.output_tokens_per_s:,.1f}", "")
+    if r.hf_output_tokens_per_s:
+        t.add_row(f"transformers (static batches of {r.hf_batch_size})", f"{r.hf_output_tokens_per_s:,.1f}",
+                  f"kvlab is {r.output_tokens_per_s / r.hf_output_tokens_per_s:.2f}x; "
+                  f"{r.hf_identical_requests}/{r.num_requests} identical greedy outputs")
+    if r.decode_tokens_per_s is not None:
+        t.add_row("decode tokens/s (batch 1)", f"{r.decode_tokens_per_s:,.1f}",
+                  f"{r.decode_tokens_per_s / r.bound_tokens_per_s:.0%} of the bandwidth bound "
+                  f"{r.bound_tokens_per_s:,.1f}" if r.bound_tokens_per_s else "")
+    t.add_row("TTFT p50 / p99", f"{fmt_seconds(r.ttft_p50_s)} / {fmt_seconds(r.ttft_p99_s)}",
+              f"first {fmt_seconds(r.ttft_first_s)}, mean after it {fmt_seconds(r.ttft_mean_after_first_s)}")
+    t.add_row("inter-token latency p50 / p99", f"{fmt_seconds(r.itl_p50_s)} / {fmt_seconds(r.itl_p99_s)}", "")
+    t.add_row("peak KV usage", f"{r.peak_kv_usage:.1%}", f"of {r.kv_cache_blocks:,} blocks")
+    t.add_row("KV waste at peak", f"{r.kv_waste_at_peak:.2%}", "empty slots in allocated blocks / slots in use")
+    t.add_row("prefix cache hits", f"{r.prefix_hit_rate:.1%}", f"{r.prefix_hits:,} of {r.prefix_queries:,} prompt tokens")
+    t.add_row("preemptions", f"{r.preemptions}", "")
+    c.print(t)
+
+
+def print_demo(d: DemoReport, console: Console | None = None) -> None:
+    c = console or Console(width=max(Console().width, 110))
+    o, m, p = d.options, d.metrics, d.predicted
+    c.print(f"[bold]kvlab demo[/]: {len(d.texts)} conversations sharing an opening, greedy, "
+            f"block size {o.block_size}, KV memory {fmt_bytes(o.kv_memory)}, preemption {o.preemption}")
+    for opening, text in d.texts:
+        c.print(f"[bold]{opening}[/]{text}")
+    t = Table(title="Cache report: the engine beside the plan", title_justify="left")
+    for col in ("", "engine", "kvlab plan"):
+        t.add_column(col, justify="right" if col else "left")
+    t.add_row("KV blocks", f"{m['kv_cache_blocks']:,}", f"{p['kv_cache_blocks']:,}")
+    t.add_row("KV token slots", f"{m['kv_cache_tokens']:,}", f"{p['kv_cache_tokens']:,}")
+    t.add_row("max concurrency at max length", f"{m['max_concurrency']:.2f}", f"{p['max_concurrency']:.2f}")
+    t.add_row("KV bytes", fmt_bytes(m["kv_cache_bytes"]), f"{p['kv_bytes_per_token']:,} B/token")
+    t.add_row("prefix cache hits", f"{m['prefix_cache_hits']:,} of {m['prefix_cache_queries']:,} prompt tokens", "")
+    t.add_row("preemptions", f"{m['preemptions']}", "")
+    t.add_row("blocks swapped out / in", f"{m['swapped_out_blocks']} / {m['swapped_in_blocks']}", "")
+    c.print(t)

@@ -1,0 +1,222 @@
+"""`kvlab bench`: a seeded offline workload through the paged engine, optionally beside
+Hugging Face transformers run the way users run it (static, left-padded batches).
+
+Figures: output tokens/s, TTFT and inter-token latency p50/p99, peak KV usage, KV waste
+(allocated-but-empty slots / slots holding tokens, at the peak), prefix hit rate, and for a
+single request its decode speed as a fraction of the memory-bandwidth bound of `kvlab plan`.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvlab.engine.engine import LLMEngine
+from kvlab.engine.options import EngineOptions
+from kvlab.models.llama import CausalLM
+from kvlab.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    shared_prefix: int = 0
+    seed: int = 0
+
+    def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
+        """(prompt ids, output length) per request; the shared prefix opens every prompt."""
+        if self.shared_prefix >= self.input_len[0] and self.shared_prefix:
+            raise ValueError(f"--shared-prefix {self.shared_prefix} must be shorter than the "
+                             f"shortest input ({self.input_len[0]})")
+        rng = random.Random(self.seed)
+        prefix = [rng.randrange(vocab_size) for _ in range(self.shared_prefix)]
+        out = []
+        for _ in range(self.num_requests):
+            n_in = rng.randint(*self.input_len)
+            own = [rng.randrange(vocab_size) for _ in range(n_in - len(prefix))]
+            out.append((prefix + own, rng.randint(*self.output_len)))
+        return out
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'64:512' -> (64, 512); '128' -> (128, 128)."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or hi is None or lo < 1 or hi < lo:
+        raise ValueError(f"not a length range: {text!r} (examples: 128, 64:512)")
+    return lo, hi
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+@dataclass
+class BenchResult:
+    model: str
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    output_tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ttft_mean_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    peak_kv_usage: float
+    kv_waste_at_peak: float
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_rate: float
+    preemptions: int
+    kv_cache_blocks: int
+    ttft_first_s: float  # the first request's TTFT (cold, for shared-prefix runs)
+    ttft_mean_after_first_s: float
+    decode_tokens_per_s: float | None = None  # single request: tokens after the first / time
+    bound_tokens_per_s: float | None = None  # memory-bandwidth bound of `kvlab plan --gpu cpu`
+    hf_output_tokens_per_s: float | None = None
+    hf_batch_size: int | None = None
+    hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _waste(engine: LLMEngine) -> tuple[int, int]:
+    """(empty slots in allocated blocks, slots holding tokens) over the running sequences."""
+    bs = engine.options.block_size
+    held = empty = 0
+    for seq in engine.scheduler.running:
+        for table in seq.block_tables:
+            live = [b for b in table if b >= 0]
+            slots = len(live) * bs
+            # tokens with K/V in this table's live blocks (a sliding table lost its early blocks)
+            first = (len(table) - len(live)) * bs
+            tokens = max(0, min(seq.num_computed_tokens, len(table) * bs) - first)
+            held += tokens
+            empty += slots - tokens
+    return empty, held
+
+
+def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
+               progress: Callable[[int, int], None] = lambda done, total: None
+               ) -> tuple[BenchResult, list[list[int]]]:
+    """Add every request at once (offline throughput), step until all finish.
+    Returns the figures and each request's generated ids, in request order."""
+    engine = LLMEngine(model, None, options)
+    reqs = work.requests(model.spec.vocab_size)
+    t0 = time.perf_counter()
+    ids = {}
+    for i, (prompt, n_out) in enumerate(reqs):
+        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+        ids[engine.add_request(prompt, params)] = i
+    outputs: list[list[int]] = [[] for _ in reqs]
+    last_token_at: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    itl: list[float] = []
+    tokens = 0
+    done = 0
+    peak_usage, waste_at_peak = 0.0, 0.0
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            outs = engine.step()
+            now = time.perf_counter()
+            m = engine.metrics()
+            if m.kv_usage >= peak_usage:
+                empty, held = _waste(engine)
+                peak_usage, waste_at_peak = m.kv_usage, empty / held if held else 0.0
+            for out in outs:
+                tokens += len(out.new_token_ids)
+                rid = out.request_id
+                if rid in last_token_at:
+                    itl.append(now - last_token_at[rid])
+                else:
+                    ttft[rid] = out.ttft_s or now - t0
+                last_token_at[rid] = now
+                if out.finished:
+                    outputs[ids[rid]] = list(out.token_ids)
+                    done += 1
+                    progress(done, len(reqs))
+    seconds = time.perf_counter() - t0
+    m = engine.metrics()
+    order = sorted(ttft, key=lambda r: ids[r])
+    ttfts = [ttft[r] for r in order]
+    after = ttfts[1:]
+    single = len(reqs) == 1 and tokens > 1
+    result = BenchResult(
+        model=model.name, num_requests=len(reqs), output_tokens=tokens, seconds=seconds,
+        output_tokens_per_s=tokens / seconds, ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99), ttft_mean_s=statistics.fmean(ttfts),
+        itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
+        peak_kv_usage=peak_usage, kv_waste_at_peak=waste_at_peak,
+        prefix_queries=m.prefix_cache_queries, prefix_hits=m.prefix_cache_hits,
+        prefix_hit_rate=m.prefix_cache_hits / m.prefix_cache_queries if m.prefix_cache_queries else 0.0,
+        preemptions=m.preemptions, kv_cache_blocks=m.kv_cache_blocks,
+        ttft_first_s=ttfts[0], ttft_mean_after_first_s=statistics.fmean(after) if after else ttfts[0],
+        decode_tokens_per_s=(tokens - 1) / (seconds - ttfts[0]) if single else None,
+    )
+    return result, outputs
+
+
+def run_hf(model: CausalLM, work: Workload, batch_size: int,
+           progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[float, list[list[int]]]:
+    """The same requests through transformers with the same weights: static batches of
+    `batch_size`, left-padded, each batch generating until its longest request is done.
+    Returns (useful output tokens/s, greedy outputs)."""
+    import transformers
+
+    cfg = {k: v for k, v in model.config.items() if k != "auto_map"}
+    hf_cfg = transformers.AutoConfig.for_model(**cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=model.dtype)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"transformers' model does not take kvlab's weights: {missing + unexpected}")
+    hf.tie_weights()
+    hf.eval()
+    reqs = work.requests(model.spec.vocab_size)
+    outputs: list[list[int]] = []
+    useful = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start:start + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, _) in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        n_new = max(n for _, n in batch)
+        with torch.inference_mode():
+            gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new,
+                              min_new_tokens=n_new, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+        for i, (_, n) in enumerate(batch):
+            outputs.append(gen[i, width:width + n].tolist())
+            useful += n
+        progress(min(start + batch_size, len(reqs)), len(reqs))
+    return useful / (time.perf_counter() - t0), outputs
+
+
+def bandwidth_bound(model: CausalLM, context: int) -> float:
+    """Tokens/s a single sequence could reach at `context` if every step only read the weights
+    and its cache at this machine's measured bandwidth (`kvlab plan --gpu cpu`)."""
+    from kvlab.plan import PlanRequest, make_plan
+
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+    plan = make_plan(model.spec, PlanRequest(context=context, users=1, kv_dtype=dtype,
+                                             weights_dtype=dtype, gpu="cpu"))
+    return plan.decode_tokens_per_s

@@ -1,0 +1,171 @@
+"""What the page's planner, crossover and step-through views show, computed by kvlab's own code.
+
+The page only draws: every number comes from ``kvlab.plan.make_plan`` or from running
+``kvlab.generate.Generation`` on the served model, shaped here into what one view needs, so the
+browser holds no formula of its own and the page cannot drift from `kvlab plan` / `kvlab generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+from kvlab.catalog import find
+from kvlab.generate import Generation
+from kvlab.models import CausalLM
+from kvlab.models.loader import TextTokenizer
+from kvlab.plan import Plan, PlanRequest, make_plan
+from kvlab.sampling import SamplingParams
+from kvlab.server.errors import APIError
+from kvlab.spec import ModelSpec, spec_from_config
+
+MAX_SWEEP_BATCH = 1 << 16
+MAX_SWEEP_CONTEXT = 1 << 24
+
+
+def resolve_spec(model: str | None, config: dict | None) -> ModelSpec:
+    """A catalogue model by name, or a pasted config.json. Never a path: the page is a web client,
+    and a path would let it probe the server's files."""
+    if config is not None:
+        return spec_from_config(config, str(config.get("_name_or_path") or "pasted config.json"))
+    if not model:
+        raise APIError("give a catalogue model or paste a config.json", param="model")
+    entry = find(model)
+    if entry is None:
+        raise APIError(f"unknown catalogue model {model!r}", 404, "not_found_error", "model",
+                       "model_not_found")
+    return spec_from_config(json.loads(entry.path.read_text()), entry.hf_id)
+
+
+def _plan(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str, gpu: str) -> Plan:
+    """make_plan on one GPU (the views ask "per GPU"), its ValueErrors as 400s."""
+    try:
+        return make_plan(spec, PlanRequest(context=context, users=users, kv_dtype=kv_dtype,
+                                           weights_dtype=weights_dtype, gpu=gpu, gpus=1))
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+def plan_view(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str,
+              gpu: str) -> dict:
+    """The plan, plus the one-GPU memory bar split into weights / KV / logits and overhead."""
+    p = _plan(spec, context, users, kv_dtype, weights_dtype, gpu)
+    overhead = p.logits_bytes_last_only + p.activation_allowance_bytes + p.runtime_overhead_bytes
+    segments: list[dict] = [
+        {"key": "weights", "label": "weights", "bytes": p.weights_bytes},
+        {"key": "kv", "label": f"KV cache ({users} x {context:,} tokens)", "bytes": p.kv_bytes_total},
+        {"key": "overhead", "label": "logits, activations & runtime", "bytes": overhead},
+    ]
+    need = sum(s["bytes"] for s in segments)
+    return {
+        "plan": p.to_json(),
+        "memory": {"segments": segments, "total_bytes": need, "gpu_bytes": p.gpu_memory_bytes,
+                   "usable_bytes": p.usable_bytes_per_gpu, "fits": need <= p.usable_bytes_per_gpu},
+        "gpus_cache_only": p.gpus_needed_cache_only,
+        "gpus_everything": p.gpus_needed,  # None: more than the planner searches (4096)
+        "max_users_per_gpu": p.max_sequences,
+    }
+
+
+def _step(p: Plan) -> dict:
+    return {"weights_s": p.decode_weights_seconds, "kv_s": p.decode_kv_seconds,
+            "step_s": p.decode_step_seconds}
+
+
+def _powers(top: int, start: int = 1) -> list[int]:
+    out, x = [], start
+    while x < top:
+        out.append(x)
+        x *= 2
+    return out + [top]
+
+
+def crossover_view(spec: ModelSpec, context: int, batch: int, kv_dtype: str, weights_dtype: str,
+                   gpu: str) -> dict:
+    """Decode step time (weight reads + cache reads) over batch at this context and over context
+    at this batch, with where the cache reads overtake the weight reads on each axis."""
+    def plan(c: int, b: int) -> Plan:
+        return _plan(spec, c, b, kv_dtype, weights_dtype, gpu)
+
+    here = plan(context, batch)
+    cross_b = here.crossover_batch
+    top_b = min(MAX_SWEEP_BATCH, max(4 * batch, 2 * (cross_b or 1), 64))
+    batches = sorted(set(_powers(top_b)) | {batch} | ({cross_b} if cross_b and cross_b <= top_b else set()))
+    by_batch = [{"batch": b, **_step(plan(context, b))} for b in batches]
+
+    def kv_wins(c: int) -> bool:
+        p = plan(c, batch)
+        return p.decode_kv_seconds >= p.decode_weights_seconds
+
+    top_c = min(MAX_SWEEP_CONTEXT, max(4 * context, spec.max_position_embeddings or 0, 4096))
+    cross_c = None
+    if kv_wins(top_c):  # cache reads grow with context (until a window saturates): bisect
+        lo, hi = 0, top_c
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if kv_wins(mid) else (mid, hi)
+        cross_c = hi
+    contexts = sorted(set(_powers(top_c, 256)) | {context} | ({cross_c} if cross_c else set()))
+    by_context = [{"context": c, **_step(plan(c, batch))} for c in contexts]
+    return {"model": spec.name, "gpu": here.gpu, "context": context, "batch": batch, "point": _step(here),
+            "tokens_per_s": here.decode_tokens_per_s, "crossover_batch": cross_b,
+            "crossover_context": cross_c, "by_batch": by_batch, "by_context": by_context,
+            "max_batch_in_memory": here.max_sequences, "source": here.sources["decode_step"]}
+
+
+def _token(tokenizer: TextTokenizer, token_id: int) -> dict:
+    return {"id": token_id, "text": tokenizer.decode([token_id])}
+
+
+def _run(model: CausalLM, prompt: Sequence[int], params: SamplingParams,
+         use_cache: bool) -> tuple[list[int], list[dict]]:
+    """Generate and record, per step, which positions went through the model and which K/V came
+    from the cache. With a cache the figures are read off the real ContiguousKVCache (its length
+    before and after the step); without one every step feeds the whole sequence so far."""
+    gen = Generation(model, prompt, params, use_cache=use_cache)
+    tokens: list[int] = []
+    steps: list[dict] = []
+    done = 0  # positions whose K/V the cache held before this step
+    processed = 0
+    t = time.perf_counter()
+    for delta in gen:
+        now = time.perf_counter()
+        assert delta.token_id is not None
+        if use_cache:
+            assert gen.cache is not None
+            start, end = done, gen.cache.length
+            done = end
+        else:
+            start, end = 0, len(prompt) + len(tokens)
+        processed += end - start
+        steps.append({"computed": [start, end], "read_from_cache": start, "processed_total": processed,
+                      "seconds": now - t})
+        tokens.append(delta.token_id)
+        t = time.perf_counter()
+    return tokens, steps
+
+
+def step_through(model: CausalLM, tokenizer: TextTokenizer, prompt: str, max_tokens: int,
+                 model_id: str) -> dict:
+    """Greedy generation on the served model twice, with and without the KV cache, step by step."""
+    ids = tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        cached, with_cache = _run(model, ids, params, use_cache=True)
+        recomputed, without = _run(model, ids, params, use_cache=False)
+    except ValueError as e:  # check_length: prompt + max_tokens beyond the model's context
+        raise APIError(str(e), param="prompt", code="context_length_exceeded") from None
+    steps = [{"step": i, "token": _token(tokenizer, tok), "cache": a, "no_cache": b}
+             for i, (tok, a, b) in enumerate(zip(cached, with_cache, without, strict=False))]
+    return {
+        "model": model_id, "prompt": [_token(tokenizer, i) for i in ids], "steps": steps,
+        "same_tokens": cached == recomputed,
+        "no_cache_tokens": [_token(tokenizer, i) for i in recomputed],
+        "totals": {"cache": with_cache[-1]["processed_total"], "no_cache": without[-1]["processed_total"]},
+        "formula": {"cache": "P + N - 1", "no_cache": "N x P + N (N - 1) / 2",
+                    "expected_cache": len(ids) + len(cached) - 1,
+                    "expected_no_cache": len(cached) * len(ids) + len(cached) * (len(cached) - 1) // 2},
+        "ratio": without[-1]["processed_total"] / max(1, with_cache[-1]["processed_total"]),
+    }
+

@@ -1,0 +1,383 @@
+// kvlab's page: four views that draw what the server's JSON API computes.
+// No formula lives here: the planner, the crossover sweep, the step-through runs and the block
+// pool all come from /api/* (kvlab.plan, kvlab.generate, the engine). This file only formats,
+// draws and sends requests.
+"use strict";
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const $$ = (sel, root = document) => [...root.querySelectorAll(sel)];
+
+const fmt = {
+  int: (n) => (n == null ? "—" : Math.round(n).toLocaleString("en-US")),
+  bytes(n) {
+    if (n == null) return "—";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let i = 0;
+    while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return `${n.toFixed(i && n < 100 ? 1 : 0)} ${units[i]}`;
+  },
+  ms: (s) => (s == null ? "—" : `${(s * 1000).toPrecision(3)} ms`),
+  pct: (x) => `${(100 * x).toFixed(1)}%`,
+};
+
+function showError(msg) {
+  const el = $("#error");
+  el.textContent = msg || "";
+  el.hidden = !msg;
+}
+
+// Every call goes through here so the page shows the server's OpenAI-style error message.
+async function api(path, body) {
+  const init = body === undefined ? {} : {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  };
+  const res = await fetch(path, init);
+  const data = await res.json().catch(() => ({ error: { message: `${res.status} ${res.statusText}` } }));
+  if (!res.ok) throw new Error(data.error ? data.error.message : `${res.status}`);
+  return data;
+}
+
+async function guarded(fn) {
+  try { showError(""); await fn(); } catch (e) { showError(e.message); }
+}
+
+function debounce(fn, ms = 200) {
+  let t;
+  return (...args) => { clearTimeout(t); t = setTimeout(() => fn(...args), ms); };
+}
+
+function tokenSpan(tok, cls) {
+  const s = document.createElement("span");
+  s.className = `tok ${cls}`;
+  s.textContent = tok.text.replace(/\n/g, "⏎") || "·";
+  s.title = `token id ${tok.id}`;
+  return s;
+}
+
+function stats(dl, rows) {
+  dl.replaceChildren(...rows.flatMap(([k, v, key]) => {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = v;
+    if (key) dd.dataset.key = key;
+    return [dt, dd];
+  }));
+}
+
+// A uPlot chart that is rebuilt when its data changes shape; vertical markers drawn in a hook.
+function lineChart(el, { title, xLabel, yLabel, logX, series, data, markers = [] }) {
+  el.replaceChildren();
+  const opts = {
+    title, width: Math.max(320, el.clientWidth || 560), height: 260,
+    scales: { x: { time: false, distr: logX ? 3 : 1 } },
+    axes: [{ label: xLabel }, { label: yLabel, size: 70 }],
+    series: [{ label: xLabel }, ...series],
+    hooks: {
+      draw: [(u) => {
+        const ctx = u.ctx;
+        markers.forEach((m, i) => {
+          if (m.x == null) return;
+          const x = u.valToPos(m.x, "x", true);
+          ctx.save();
+          ctx.strokeStyle = m.color; ctx.setLineDash([6, 4]); ctx.lineWidth = 2;
+          ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke();
+          ctx.fillStyle = m.color; ctx.font = "12px sans-serif";
+          ctx.fillText(m.label, x + 4, u.bbox.top + 14 + 16 * i);
+          ctx.restore();
+        });
+      }],
+    },
+  };
+  el.chart = new uPlot(opts, data, el);
+}
+
+// --- shared pickers --------------------------------------------------------------------------
+
+let options = null;
+
+async function loadOptions() {
+  options = await api("/api/options");
+  const s = options.served;
+  $("#served").textContent = `serving ${s.id}: ${fmt.int(s.max_model_len)}-token context, ` +
+    `${fmt.int(s.num_blocks)} KV blocks of ${s.block_size} tokens (${fmt.bytes(s.kv_bytes_per_token)} per token)`;
+  for (const sel of $$(".model-select")) {
+    sel.replaceChildren(...options.models.map((m) => new Option(m.alias, m.id, false, m.id === options.default_model)));
+  }
+  for (const sel of $$(".kv-select")) sel.replaceChildren(...options.kv_dtypes.map((d) => new Option(d, d, false, d === "bf16")));
+  for (const sel of $$(".gpu-select")) {
+    sel.replaceChildren(...options.gpus.map((g) => new Option(g.name, g.key, false, g.key === "h100-sxm")));
+  }
+}
+
+// --- 1. step through ---------------------------------------------------------------------------
+
+const steps = { data: null, marker: { x: null, label: "", color: "#2b8a3e" } };
+
+function drawStep(i) {
+  const d = steps.data;
+  const st = d.steps[i];
+  $("#step-slider").value = i;
+  $("#step-label").textContent = `step ${i + 1} of ${d.steps.length}: generated “${st.token.text}”`;
+  const seq = d.prompt.concat(d.steps.map((s) => s.token));
+  const fill = (root, side) => {
+    const [from, to] = side.computed;
+    root.replaceChildren(...seq.map((tok, p) => {
+      const cls = p >= from && p < to ? "computed" : p < side.read_from_cache ? "cached" : p === to ? "new" : "later";
+      return tokenSpan(tok, cls);
+    }));
+  };
+  fill($('[data-testid="cache-tokens"]'), st.cache);
+  fill($('[data-testid="nocache-tokens"]'), st.no_cache);
+  $('[data-testid="cache-total"]').textContent = fmt.int(st.cache.processed_total);
+  $('[data-testid="nocache-total"]').textContent = fmt.int(st.no_cache.processed_total);
+  $('[data-testid="cache-time"]').textContent = fmt.ms(st.cache.seconds);
+  $('[data-testid="nocache-time"]').textContent = fmt.ms(st.no_cache.seconds);
+  steps.marker.x = i + 1;
+  steps.marker.label = `step ${i + 1}`;
+  $("#steps-chart").chart?.redraw(false);
+}
+
+async function runSteps(ev) {
+  ev.preventDefault();
+  const f = new FormData(ev.target);
+  steps.data = await api("/api/steps", { prompt: f.get("prompt"), max_tokens: Number(f.get("max_tokens")) });
+  const d = steps.data;
+  $("#steps-out").hidden = false;
+  $("#step-slider").max = d.steps.length - 1;
+  $('[data-testid="steps-summary"]').textContent =
+    `${d.prompt.length} prompt + ${d.steps.length} new tokens: ${fmt.int(d.totals.cache)} tokens processed with ` +
+    `the cache (${d.formula.cache}) vs ${fmt.int(d.totals.no_cache)} without (${d.formula.no_cache}), ` +
+    `${d.ratio.toFixed(1)}× the work. ` +
+    (d.same_tokens ? "Both runs produced the same tokens." : "The two runs' tokens differ (16-bit rounding).");
+  const x = d.steps.map((s) => s.step + 1);
+  lineChart($("#steps-chart"), {
+    title: "tokens processed so far", xLabel: "step", yLabel: "tokens",
+    series: [{ label: "with cache", stroke: "#2a7de1", width: 2 }, { label: "without cache", stroke: "#e8590c", width: 2 }],
+    data: [x, d.steps.map((s) => s.cache.processed_total), d.steps.map((s) => s.no_cache.processed_total)],
+    markers: [steps.marker],
+  });
+  drawStep(0);
+}
+
+// --- 2. planner --------------------------------------------------------------------------------
+
+function modelChoice(form) {
+  const text = form.elements.config ? form.elements.config.value.trim() : "";
+  if (!text) return { model: form.elements.model.value };
+  let config;
+  try { config = JSON.parse(text); } catch (e) { throw new Error(`the pasted config.json is not valid JSON: ${e.message}`); }
+  return { config };
+}
+
+async function runPlanner() {
+  const form = $("#planner-form");
+  const v = await api("/api/plan", {
+    ...modelChoice(form), context: Number(form.elements.context.value), users: Number(form.elements.users.value),
+    kv_dtype: form.elements.kv_dtype.value, gpu: form.elements.gpu.value,
+  });
+  $("#planner-out").hidden = false;
+  const mem = v.memory;
+  const scale = Math.max(mem.total_bytes, mem.gpu_bytes);
+  const bar = $('[data-testid="membar"]');
+  bar.replaceChildren(...mem.segments.map((s) => {
+    const div = document.createElement("div");
+    div.className = `seg ${s.key}`;
+    div.dataset.key = s.key;
+    div.dataset.bytes = s.bytes;
+    div.style.width = `${(100 * s.bytes) / scale}%`;
+    div.title = `${s.label}: ${fmt.bytes(s.bytes)}`;
+    return div;
+  }));
+  const cap = document.createElement("div");
+  cap.className = "capacity";
+  cap.style.left = `${(100 * mem.gpu_bytes) / scale}%`;
+  cap.title = `one GPU: ${fmt.bytes(mem.gpu_bytes)}`;
+  bar.append(cap);
+  $('[data-testid="membar-legend"]').replaceChildren(...mem.segments.map((s) => {
+    const span = document.createElement("span");
+    span.className = `key ${s.key}`;
+    span.textContent = `${s.label}: ${fmt.bytes(s.bytes)}`;
+    return span;
+  }), Object.assign(document.createElement("span"), {
+    className: "key gpu", textContent: `| one ${v.plan.gpu}: ${fmt.bytes(mem.gpu_bytes)} (${fmt.bytes(mem.usable_bytes)} usable)`,
+  }));
+  const p = v.plan;
+  stats($('[data-testid="planner-stats"]'), [
+    ["KV cache per token", fmt.bytes(p.kv_bytes_per_token), "kv_bytes_per_token"],
+    ["KV cache per user", fmt.bytes(p.kv_bytes_per_sequence), "kv_bytes_per_sequence"],
+    ["GPUs for the cache alone", fmt.int(v.gpus_cache_only), "gpus_cache_only"],
+    ["GPUs for everything", v.gpus_everything == null ? "more than 4,096" : fmt.int(v.gpus_everything), "gpus_everything"],
+    ["max users per GPU", fmt.int(v.max_users_per_gpu), "max_users_per_gpu"],
+    ["fits on one GPU", mem.fits ? "yes" : "no", "fits"],
+  ]);
+  $('[data-testid="planner-notes"]').replaceChildren(...p.notes.map((n) => Object.assign(document.createElement("li"), { textContent: n })));
+}
+
+// --- 3. crossover ------------------------------------------------------------------------------
+
+function crossoverInputs(form) {
+  const context = 2 ** Number(form.elements.context.value);
+  const batch = 2 ** Number(form.elements.batch.value);
+  form.elements.context_out.value = fmt.int(context);
+  form.elements.batch_out.value = fmt.int(batch);
+  return { context, batch };
+}
+
+async function runCrossover() {
+  const form = $("#crossover-form");
+  const { context, batch } = crossoverInputs(form);
+  const v = await api("/api/crossover", {
+    ...modelChoice(form), context, batch, kv_dtype: form.elements.kv_dtype.value, gpu: form.elements.gpu.value,
+  });
+  $("#crossover-out").hidden = false;
+  const cb = v.crossover_batch, cc = v.crossover_context;
+  $('[data-testid="crossover-summary"]').textContent =
+    `At ${fmt.int(context)} tokens the cache reads overtake the weight reads from a batch of ` +
+    `${cb == null ? "— (never)" : fmt.int(cb)}; at a batch of ${fmt.int(batch)} from a context of ` +
+    `${cc == null ? "— (never)" : fmt.int(cc)} tokens.`;
+  const pt = v.point;
+  stats($('[data-testid="crossover-point"]'), [
+    ["weight reads", fmt.ms(pt.weights_s), "weights_s"],
+    ["cache reads", fmt.ms(pt.kv_s), "kv_s"],
+    ["decode step", fmt.ms(pt.step_s), "step_s"],
+    ["dominant", pt.kv_s >= pt.weights_s ? "cache" : "weights", "dominant"],
+    ["tokens/s (batch)", fmt.int(v.tokens_per_s), "tokens_per_s"],
+  ]);
+  const ms = (rows, k) => rows.map((r) => r[k] * 1000);
+  const series = [
+    { label: "weights (ms)", stroke: "#555", width: 2 },
+    { label: "cache (ms)", stroke: "#2a7de1", width: 2 },
+    { label: "step (ms)", stroke: "#e8590c", width: 2, dash: [4, 3] },
+  ];
+  lineChart($("#chart-batch"), {
+    xLabel: "batch", yLabel: "ms", logX: true, series,
+    data: [v.by_batch.map((r) => r.batch), ms(v.by_batch, "weights_s"), ms(v.by_batch, "kv_s"), ms(v.by_batch, "step_s")],
+    markers: [{ x: cb, label: `cache dominates from ${fmt.int(cb)}`, color: "#c92a2a" }, { x: batch, label: "you", color: "#2b8a3e" }],
+  });
+  lineChart($("#chart-context"), {
+    xLabel: "context (tokens)", yLabel: "ms", logX: true, series,
+    data: [v.by_context.map((r) => r.context), ms(v.by_context, "weights_s"), ms(v.by_context, "kv_s"), ms(v.by_context, "step_s")],
+    markers: [{ x: cc, label: `cache dominates from ${fmt.int(cc)}`, color: "#c92a2a" }, { x: context, label: "you", color: "#2b8a3e" }],
+  });
+}
+
+// --- 4. live cache -----------------------------------------------------------------------------
+
+const live = { timer: null, gen: 0, inflight: 0 };
+
+const BLOCK_STATES = { f: "free", u: "used", s: "used shared", c: "cached" };
+
+// One cell per block, created once per pool and then only re-classed where a state changed,
+// so a pool of many thousands of blocks redraws cheaply several times a second.
+function drawBlockMap(c) {
+  const map = $('[data-testid="blockmap"]');
+  const owners = new Map();
+  for (const r of c.requests) r.blocks.forEach((table, gi) => table.forEach((b) => owners.set(`${gi}:${b}`, r.id)));
+  c.groups.forEach((g, gi) => {
+    let grid = map.children[gi]?.querySelector(".grid");
+    if (!grid || grid.children.length !== g.blocks.length) {
+      const wrap = document.createElement("div");
+      wrap.className = "group";
+      const h = document.createElement("h3");
+      h.textContent = `${g.name} (${g.layers} layers)`;
+      grid = document.createElement("div");
+      grid.className = "grid";
+      for (let i = 0; i < g.blocks.length; i++) grid.append(document.createElement("span"));
+      wrap.append(h, grid);
+      if (map.children[gi]) map.children[gi].replaceWith(wrap); else map.append(wrap);
+    }
+    for (let i = 0; i < g.blocks.length; i++) {
+      const state = BLOCK_STATES[g.blocks[i]];
+      const cell = grid.children[i];
+      if (cell.className !== `blk ${state}`) cell.className = `blk ${state}`;
+      const owner = owners.get(`${gi}:${i}`);
+      const title = `block ${i}: ${state}${owner ? ` (${owner})` : ""}`;
+      if (cell.title !== title) cell.title = title;
+    }
+  });
+  while (map.children.length > c.groups.length) map.lastChild.remove();
+}
+
+async function pollCache() {
+  const c = await api("/api/cache");
+  const s = c.stats;
+  stats($('[data-testid="live-stats"]'), [
+    ["blocks", `${fmt.int(c.num_blocks)} × ${c.block_size} tokens`, "num_blocks"],
+    ["in use", fmt.int(s.used_blocks), "used_blocks"],
+    ["cached prefix", fmt.int(s.cached_blocks), "cached_blocks"],
+    ["free", fmt.int(s.free_blocks), "free_blocks"],
+    ["KV usage", fmt.pct(s.usage), "usage"],
+    ["prefix hit rate", `${fmt.pct(s.hit_rate)} (${fmt.int(s.prefix_hits_tokens)} of ${fmt.int(s.prefix_queries_tokens)} tokens)`, "hit_rate"],
+    ["preemptions", fmt.int(s.preemptions), "preemptions"],
+    ["swapped out / in", `${fmt.int(s.swapped_out_blocks)} / ${fmt.int(s.swapped_in_blocks)} blocks`, "swaps"],
+    ["running / waiting", `${s.running} / ${s.waiting}`, "queues"],
+  ]);
+  drawBlockMap(c);
+  $('[data-testid="live-requests"] tbody').replaceChildren(...c.requests.map((r) => {
+    const tr = document.createElement("tr");
+    for (const v of [r.id, r.status, r.num_tokens, r.num_cached_tokens, r.blocks.map((t) => t.length).join(" + ")]) {
+      tr.append(Object.assign(document.createElement("td"), { textContent: v }));
+    }
+    return tr;
+  }));
+}
+
+// One /v1/completions call with a list of prompts: each is its own engine request, and the
+// browser's six connections per host stay free for the polling that draws them.
+async function sendLoad(ev) {
+  ev.preventDefault();
+  const f = new FormData(ev.target);
+  const count = Number(f.get("count"));
+  const status = $('[data-testid="load-status"]');
+  const prompts = Array.from({ length: count }, (_, i) => `${f.get("prompt")} (${i})`);
+  live.inflight += count;
+  status.textContent = `${live.inflight} running`;
+  try {
+    const res = await api("/v1/completions", {
+      model: options.served.id, prompt: prompts, max_tokens: Number(f.get("max_tokens")), temperature: 0, ignore_eos: true,
+    });
+    status.textContent = `done: ${res.choices.length} completed, ${fmt.int(res.usage.prompt_tokens_details.cached_tokens)} prompt tokens from the cache`;
+  } finally {
+    live.inflight -= count;
+  }
+}
+
+// One polling loop at a time (a generation number retires the old one), never overlapping calls.
+function setLivePolling(on) {
+  const gen = ++live.gen;
+  clearTimeout(live.timer);
+  const tick = async () => {
+    if (gen !== live.gen) return;
+    await pollCache().catch((e) => showError(e.message));
+    if (gen === live.gen) live.timer = setTimeout(tick, 200);
+  };
+  if (on) tick();
+}
+
+// --- wiring ------------------------------------------------------------------------------------
+
+function show(view) {
+  for (const b of $$("nav button")) b.setAttribute("aria-selected", String(b.dataset.view === view));
+  for (const s of $$(".view")) s.hidden = s.id !== `view-${view}`;
+  setLivePolling(view === "live");
+  if (view === "planner" && $("#planner-out").hidden) guarded(runPlanner);
+  if (view === "crossover" && $("#crossover-out").hidden) guarded(runCrossover);
+}
+
+async function main() {
+  for (const b of $$("nav button")) b.addEventListener("click", () => show(b.dataset.view));
+  $("#steps-form").addEventListener("submit", (ev) => guarded(() => runSteps(ev)));
+  $("#step-slider").addEventListener("input", (ev) => drawStep(Number(ev.target.value)));
+  $("#step-prev").addEventListener("click", () => drawStep(Math.max(0, Number($("#step-slider").value) - 1)));
+  $("#step-next").addEventListener("click", () => drawStep(Math.min(steps.data.steps.length - 1, Number($("#step-slider").value) + 1)));
+  const planner = debounce(() => guarded(runPlanner));
+  $("#planner-form").addEventListener("input", planner);
+  $("#planner-form").addEventListener("submit", (ev) => { ev.preventDefault(); planner(); });
+  const crossover = debounce(() => guarded(runCrossover));
+  $("#crossover-form").addEventListener("input", (ev) => { crossoverInputs(ev.currentTarget); crossover(); });
+  $("#load-form").addEventListener("submit", (ev) => guarded(() => sendLoad(ev)));
+  await guarded(loadOptions);
+  crossoverInputs($("#crossover-form"));
+  document.body.dataset.ready = "true";
+}
+
+main();

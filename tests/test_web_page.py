@@ -1,0 +1,176 @@
+"""The page in real headless Chromium (Debian's, driven by Playwright): each view is used as a
+person would, and what it shows is checked against the server's JSON API."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvlab.catalog import CONFIG_DIR
+from tests.test_server_fixtures import server  # noqa: F401
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+sync_api = pytest.importorskip("playwright.sync_api")
+if not CHROMIUM.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError("CI needs Debian's chromium at /usr/bin/chromium (make setup installs it)")
+    pytest.skip("no /usr/bin/chromium (`make setup` installs it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):  # noqa: F811
+    """A fresh page on the served app; fails the test on any script error or off-box request."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.on("request", lambda r: None if r.url.startswith((server.url, "data:")) else errors.append(r.url))
+    pg.goto(f"{server.url}/")
+    pg.wait_for_selector("body[data-ready=true]")
+    yield pg
+    assert pg.locator('[data-testid="error"]').is_hidden(), pg.locator('[data-testid="error"]').text_content()
+    ctx.close()
+    assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def api(server):  # noqa: F811
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _text(pg, testid: str) -> str:
+    return pg.locator(f'[data-testid="{testid}"]').text_content() or ""
+
+
+def _stat(pg, testid: str, key: str) -> str:
+    return pg.locator(f'[data-testid="{testid}"] dd[data-key="{key}"]').text_content() or ""
+
+
+def _wait_stat(pg, testid: str, key: str, want: str) -> None:
+    pg.wait_for_function(
+        "([t, k, w]) => document.querySelector(`[data-testid='${t}'] dd[data-key='${k}']`)?.textContent === w",
+        arg=[testid, key, want], timeout=15_000)
+
+
+def test_served_model_is_named(page, api):
+    served = api.get("/api/options").json()["served"]
+    assert served["id"] in _text(page, "served") and f"{served['num_blocks']:,} KV blocks" in _text(page, "served")
+
+
+def test_step_through_shows_what_each_side_computes(page, api):
+    prompt, n = "the cache holds keys", 5
+    ref = api.post("/api/steps", json={"prompt": prompt, "max_tokens": n}).json()
+    p = len(ref["prompt"])
+    page.fill('#steps-form input[name="prompt"]', prompt)
+    page.fill('#steps-form input[name="max_tokens"]', str(n))
+    page.click('#steps-form button[type="submit"]')
+    page.wait_for_selector("#steps-out:not([hidden])")
+    cache_row, plain_row = (page.locator(f'[data-testid="{t}"]') for t in ("cache-tokens", "nocache-tokens"))
+    for k, step in enumerate(ref["steps"]):
+        if k:
+            page.click("#step-next")
+        assert _text(page, "step-label").startswith(f"step {k + 1} of {n}")
+        lo, hi = step["cache"]["computed"]
+        assert cache_row.locator(".tok.computed").count() == hi - lo == (p if k == 0 else 1)
+        assert cache_row.locator(".tok.cached").count() == step["cache"]["read_from_cache"]
+        assert plain_row.locator(".tok.computed").count() == step["no_cache"]["computed"][1] == p + k
+        assert plain_row.locator(".tok.cached").count() == 0
+        assert _text(page, "cache-total") == f"{step['cache']['processed_total']:,}"
+        assert _text(page, "nocache-total") == f"{step['no_cache']['processed_total']:,}"
+        assert _text(page, "cache-time").endswith(" ms") and _text(page, "nocache-time").endswith(" ms")
+    assert cache_row.locator(".tok").count() == p + n
+    summary = _text(page, "steps-summary")
+    assert f"{ref['totals']['cache']} tokens processed with the cache" in summary
+    assert f"{ref['totals']['no_cache']} without" in summary and "same tokens" in summary
+    assert page.locator("#steps-chart canvas").count() == 1
+
+
+def test_planner_shows_the_plan(page, api):
+    page.click('nav button[data-view="planner"]')
+    page.select_option('#planner-form select[name="model"]', "meta-llama/Llama-3.1-70B")
+    page.fill('#planner-form input[name="context"]', "131072")
+    page.fill('#planner-form input[name="users"]', "4")
+    page.select_option('#planner-form select[name="gpu"]', "h100-sxm")
+    ref = api.post("/api/plan", json={"model": "meta-llama/Llama-3.1-70B", "context": 131072, "users": 4,
+                                      "kv_dtype": "bf16", "gpu": "h100-sxm"}).json()
+    _wait_stat(page, "planner-stats", "gpus_cache_only", f"{ref['gpus_cache_only']:,}")
+    assert _stat(page, "planner-stats", "kv_bytes_per_token") == "320 KiB"  # 327,680 B
+    assert _stat(page, "planner-stats", "gpus_everything") == f"{ref['gpus_everything']:,}"
+    assert _stat(page, "planner-stats", "max_users_per_gpu") == f"{ref['max_users_per_gpu']:,}"
+    assert _stat(page, "planner-stats", "fits") == "no"
+    bars = page.locator('[data-testid="membar"] .seg')
+    shown = {bars.nth(i).get_attribute("data-key"): int(bars.nth(i).get_attribute("data-bytes"))
+             for i in range(bars.count())}
+    assert shown == {s["key"]: s["bytes"] for s in ref["memory"]["segments"]}
+    # a pasted config.json replaces the catalogue choice
+    page.click("#planner-form details summary")
+    page.fill('#planner-form textarea[name="config"]', (CONFIG_DIR / "Qwen--Qwen2.5-1.5B.json").read_text())
+    _wait_stat(page, "planner-stats", "kv_bytes_per_token", "28.0 KiB")
+    page.fill('#planner-form textarea[name="config"]', "{not json")
+    page.wait_for_selector('[data-testid="error"]:not([hidden])')
+    assert "not valid JSON" in _text(page, "error")
+    page.fill('#planner-form textarea[name="config"]', "")
+    _wait_stat(page, "planner-stats", "kv_bytes_per_token", "320 KiB")
+
+
+def test_crossover_marks_the_crossover(page, api):
+    page.click('nav button[data-view="crossover"]')
+    page.select_option('#crossover-form select[name="model"]', "meta-llama/Llama-3.1-70B")
+    page.fill('#crossover-form input[name="context"]', "15")  # 2^15 = 32,768 tokens
+    page.fill('#crossover-form input[name="batch"]', "5")  # 2^5 = 32
+    ref = api.post("/api/crossover", json={"model": "meta-llama/Llama-3.1-70B", "context": 32768, "batch": 32,
+                                           "kv_dtype": "bf16", "gpu": "h100-sxm"}).json()
+    want = (f"At 32,768 tokens the cache reads overtake the weight reads from a batch of "
+            f"{ref['crossover_batch']:,}; at a batch of 32 from a context of {ref['crossover_context']:,} tokens.")
+    page.wait_for_function("w => document.querySelector(\"[data-testid='crossover-summary']\").textContent === w",
+                           arg=want, timeout=15_000)
+    point = ref["point"]
+    assert _stat(page, "crossover-point", "dominant") == ("cache" if point["kv_s"] >= point["weights_s"] else "weights")
+    for key in ("weights_s", "kv_s", "step_s"):
+        shown = _stat(page, "crossover-point", key)
+        assert shown.endswith(" ms") and float(shown[:-3]) == pytest.approx(point[key] * 1000, rel=5e-3)
+    for chart in ("#chart-batch", "#chart-context"):
+        assert page.locator(f"{chart} canvas").count() == 1
+
+
+def test_live_cache_follows_the_engine(page, api):
+    page.click('nav button[data-view="live"]')
+    page.wait_for_selector('[data-testid="blockmap"] .blk')
+    c = api.get("/api/cache").json()
+    assert page.locator('[data-testid="blockmap"] .blk').count() == c["num_blocks"] * len(c["groups"])
+    page.fill('#load-form input[name="count"]', "16")
+    page.fill('#load-form input[name="max_tokens"]', "200")
+    page.click('#load-form button[type="submit"]')
+    # while the requests run, the map shows blocks in use, the shared prompt prefix held once by
+    # several requests, and the table lists the requests
+    page.wait_for_function("() => document.querySelectorAll('[data-testid=blockmap] .blk.shared').length > 0 && "
+                           "document.querySelectorAll('[data-testid=live-requests] tbody tr').length > 1",
+                           timeout=20_000)
+    page.wait_for_function("() => document.querySelector('[data-testid=load-status]').textContent"
+                           ".startsWith('done: 16 completed')", timeout=60_000)
+    _wait_stat(page, "live-stats", "used_blocks", "0")
+    page.wait_for_timeout(500)  # one more poll after the engine went idle
+    c = api.get("/api/cache").json()
+    s = c["stats"]
+    assert s["running"] == s["waiting"] == 0 and s["used_blocks"] == 0
+    assert page.locator('[data-testid="blockmap"] .blk.cached').count() == s["cached_blocks"] > 0
+    assert page.locator('[data-testid="blockmap"] .blk.used').count() == 0
+    assert _stat(page, "live-stats", "cached_blocks") == f"{s['cached_blocks']:,}"
+    assert _stat(page, "live-stats", "preemptions") == f"{s['preemptions']:,}"
+    assert _stat(page, "live-stats", "hit_rate").startswith(f"{100 * s['hit_rate']:.1f}%")
+    assert page.locator('[data-testid="live-requests"] tbody tr').count() == 0
