@@ -113,17 +113,34 @@ def _waste(engine: LLMEngine) -> tuple[int, int]:
 
 
 def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
-               progress: Callable[[int, int], None] = lambda done, total: None
-               ) -> tuple[BenchResult, list[list[int]]]:
+               progress: Callable[[int, int], None] = lambda done, total: None,
+               staggered: bool | None = None) -> tuple[BenchResult, list[list[int]]]:
     """Add every request at once (offline throughput), step until all finish.
+
+    With a shared prefix (or ``staggered``), requests arrive one after another instead: each
+    as soon as the previous one has its first token, so the prefix is cached when it arrives.
+    The first request's TTFT is then the cold one and the others' show what the prefix cache
+    saves (added all at once, the first steps would compute the prefix for several requests
+    and everyone would queue behind them). TTFT counts from each request's arrival.
     Returns the figures and each request's generated ids, in request order."""
     engine = LLMEngine(model, None, options)
     reqs = work.requests(model.spec.vocab_size)
+    staggered = work.shared_prefix > 0 if staggered is None else staggered
     t0 = time.perf_counter()
-    ids = {}
-    for i, (prompt, n_out) in enumerate(reqs):
+    ids: dict[str, int] = {}
+
+    def submit(i: int) -> str:
+        prompt, n_out = reqs[i]
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-        ids[engine.add_request(prompt, params)] = i
+        rid = engine.add_request(prompt, params)
+        ids[rid] = i
+        return rid
+
+    if staggered:
+        latest = submit(0)
+    else:
+        for i in range(len(reqs)):
+            submit(i)
     outputs: list[list[int]] = [[] for _ in reqs]
     last_token_at: dict[str, float] = {}
     ttft: dict[str, float] = {}
@@ -151,6 +168,8 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
                     outputs[ids[rid]] = list(out.token_ids)
                     done += 1
                     progress(done, len(reqs))
+            if staggered and latest in ttft and len(ids) < len(reqs):
+                latest = submit(len(ids))
     seconds = time.perf_counter() - t0
     m = engine.metrics()
     order = sorted(ttft, key=lambda r: ids[r])
@@ -168,6 +187,8 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
         preemptions=m.preemptions, kv_cache_blocks=m.kv_cache_blocks,
         ttft_first_s=ttfts[0], ttft_mean_after_first_s=statistics.fmean(after) if after else ttfts[0],
         decode_tokens_per_s=(tokens - 1) / (seconds - ttfts[0]) if single else None,
+        notes=["requests arrived one after another, each once the previous one had its first "
+               "token"] if staggered and len(reqs) > 1 else [],
     )
     return result, outputs
 

@@ -45,9 +45,10 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeBucket:
-    rows: Tensor  # [b] query rows
+    rows: Tensor  # [b] query rows, ascending
     key_slots: Tensor  # [b, L], padded with each row's last slot
     mask: Tensor | None  # [b, 1, 1, L] True = real key; None when no row is padded
+    all_rows: bool = False  # rows are 0..T-1: the step's only work, no gather/scatter of rows
 
 
 @dataclass(frozen=True)
@@ -88,24 +89,30 @@ def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, bl
                 mask = _mask(torch.arange(start, end), torch.arange(k_start, end), window).to(device)
             prefills.append(PrefillSpan(slice(row, row + n), slots.to(device), mask, causal))
         row += n
-    return GroupStep(torch.cat(mapping).to(device), prefills, _buckets(decodes, device))
+    buckets = _buckets(decodes, device, all_rows=not prefills)
+    return GroupStep(torch.cat(mapping).to(device), prefills, buckets)
 
 
-def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str) -> list[DecodeBucket]:
-    """Group decodes of similar context length; pad each bucket to its longest."""
+def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str,
+             all_rows: bool = False) -> list[DecodeBucket]:
+    """Group decodes of similar context length; pad each bucket to its longest. `all_rows`:
+    the step has nothing but these decodes."""
     out = []
     pending = sorted(decodes, key=lambda d: -len(d[1]))
     while pending:
         longest = len(pending[0][1])
         take = [d for d in pending if len(d[1]) >= BUCKET_RATIO * longest]
         pending = pending[len(take):]
-        lengths = torch.tensor([len(s) for _, s in take])
+        take.sort(key=lambda d: d[0])  # rows in order: one bucket of a decode-only step is all rows
+        lengths = [len(s) for _, s in take]
         slots = torch.stack([torch.cat([s, s[-1:].expand(longest - len(s))]) for _, s in take])
         mask = None
-        if int(lengths.min()) < longest:
-            mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :].to(device)
+        if min(lengths) < longest:
+            mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+            mask = mask.to(device)
+        whole = all_rows and not out and not pending
         out.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device),
-                                slots.to(device), mask))
+                                slots.to(device), mask, whole))
     return out
 
 
@@ -123,14 +130,18 @@ class PagedAttention:
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step = self.steps[self.cache.group_of[layer_idx]]
         self.cache.write(layer_idx, k, v, step.slot_mapping)
+        if len(step.decodes) == 1 and step.decodes[0].all_rows:  # a decode-only step, one bucket
+            b = step.decodes[0]
+            keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
+            return _sdpa(q[:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)[:, :, 0]
         out = torch.empty_like(q)
         for p in step.prefills:
-            keys, vals = self.cache.read(layer_idx, p.key_slots, q.dtype)  # [L, KV, D]
-            o = _sdpa(q[p.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                      vals.transpose(0, 1)[None], p.mask, is_causal=p.causal)
+            keys, vals = self.cache.read(layer_idx, p.key_slots, q.dtype)  # [KV, L, D]
+            o = _sdpa(q[p.rows].transpose(0, 1)[None], keys[None], vals[None], p.mask,
+                      is_causal=p.causal)
             out[p.rows] = o[0].transpose(0, 1)
         for b in step.decodes:
-            keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [b, L, KV, D]
-            o = _sdpa(q[b.rows][:, :, None], keys.transpose(1, 2), vals.transpose(1, 2), b.mask)
+            keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
+            o = _sdpa(q[b.rows][:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)
             out[b.rows] = o[:, :, 0]
         return out

@@ -1,9 +1,12 @@
 """The KV tensors: per layer one K and one V tensor of blocks, in the storage format asked for,
 and a host pool (RAM, or a file on disk) that preempted sequences' blocks are swapped to.
 
-Layout per layer: [num_blocks, block_size, kv_heads, head_dim], so token slot s = block *
-block_size + offset is row s of the flattened tensor; the runner hands out slots, this module
-only writes rows and reads them back. Formats (``kvlab.dtypes``):
+Layout per layer: [kv_heads, num_blocks, block_size, head_dim], so token slot s = block *
+block_size + offset is row s of each head's flattened [slots, head_dim] matrix; the runner hands
+out slots, this module only writes rows and reads them back. Heads outermost: a read of a
+sequence's slots gives each head's keys as one contiguous [L, head_dim] matrix, which attention
+reads fastest (and gathering 128-byte rows per head beats gathering interleaved heads).
+Formats (``kvlab.dtypes``):
 - fp32 / bf16 / fp16: stored as is (cast if it differs from the model's dtype);
 - fp8_e4m3 / fp8_e5m2: torch.float8_* with one fp32 scale per layer for K and one for V, taken
   from the first tokens written (amax / fp8 max, with headroom); values beyond saturate;
@@ -56,7 +59,7 @@ class PagedKVCache:
             if self.format.name == "int8" and layer.head_dim % INT8_GROUP:
                 raise ValueError(f"int8 KV needs head_dim divisible by {INT8_GROUP}, "
                                  f"layer {i} has {layer.head_dim}")
-            tensors = [torch.zeros(num_blocks, block_size, layer.kv_heads, d, dtype=self.storage,
+            tensors = [torch.zeros(layer.kv_heads, num_blocks, block_size, d, dtype=self.storage,
                                    device=device)
                        for d in (layer.head_dim, layer.v_head_dim or layer.head_dim)]
             if self.format.name == "int8":
@@ -79,30 +82,34 @@ class PagedKVCache:
         """Store new tokens' K/V [T, kv_heads, D] at slots [T]."""
         tensors = self.blocks[layer]
         for j, x in enumerate((k, v)):
-            flat = tensors[j].view(-1, *tensors[j].shape[2:])
+            flat = _rows(tensors[j])  # [kv_heads, slots, D]
             if self.format.name == "int8":
                 q, scale = _int8_quantise(x)
-                flat[slots] = q
-                tensors[2 + j].view(-1, *tensors[2 + j].shape[2:])[slots] = scale
+                flat.index_copy_(1, slots, q.transpose(0, 1))
+                _rows(tensors[2 + j]).index_copy_(1, slots, scale.transpose(0, 1))
             elif layer in self.scales:
                 scale = self.scales[layer]
                 fmax = torch.finfo(self.storage).max
                 if (layer, j) not in self._calibrated:  # the layer's first write sets its scale
                     self._calibrated.add((layer, j))
                     scale[j] = (x.detach().abs().max().float() * FP8_HEADROOM / fmax).clamp(min=1e-12)
-                flat[slots] = (x.float() / scale[j]).clamp(-fmax, fmax).to(self.storage)
+                y = (x.float() / scale[j]).clamp(-fmax, fmax).to(self.storage)
+                # no fp8 index_copy_ kernel: copy the bytes
+                flat.view(torch.uint8).index_copy_(1, slots, y.view(torch.uint8).transpose(0, 1))
             else:
-                flat[slots] = x.to(self.storage)
+                flat.index_copy_(1, slots, x.to(self.storage).transpose(0, 1))
 
     def read(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """K and V at slots (any shape S) -> [*S, kv_heads, D] in `dtype`, dequantised."""
+        """K and V at slots (any shape S) -> [kv_heads, *S, D] in `dtype`, dequantised."""
         tensors = self.blocks[layer]
         out = []
+        index = slots.reshape(-1)  # index_select: ~10x faster on CPU than advanced indexing
         for j in range(2):
-            flat = tensors[j].view(-1, *tensors[j].shape[2:])
-            x = flat[slots]
+            flat = _rows(tensors[j])
+            x = flat.index_select(1, index).view(flat.shape[0], *slots.shape, flat.shape[-1])
             if self.format.name == "int8":
-                scale = tensors[2 + j].view(-1, *tensors[2 + j].shape[2:])[slots]
+                sflat = _rows(tensors[2 + j])
+                scale = sflat.index_select(1, index).view(sflat.shape[0], *slots.shape, sflat.shape[-1])
                 x = (x.float().unflatten(-1, (-1, INT8_GROUP)) * scale.float()[..., None]).flatten(-2)
             elif layer in self.scales:
                 x = x.float() * self.scales[layer][j]
@@ -114,7 +121,7 @@ class PagedKVCache:
         """Allocate the host pool: the same block tensors with `num_blocks` blocks, in RAM or in a
         memory-mapped file (created in the temp directory and unlinked at once: it disappears
         with the process)."""
-        sizes = [t[0].numel() * t.element_size() * num_blocks for ts in self.blocks.values() for t in ts]
+        sizes = [t[:, 0].numel() * t.element_size() * num_blocks for ts in self.blocks.values() for t in ts]
         total = sum(-(-s // 64) * 64 for s in sizes)  # 64-byte aligned slices
         if where == "disk":
             fd, path = tempfile.mkstemp(prefix="kvlab-swap-", suffix=".bin")
@@ -129,8 +136,9 @@ class PagedKVCache:
         for layer, tensors in self.blocks.items():
             views = []
             for t in tensors:
-                n = t[0].numel() * t.element_size() * num_blocks
-                views.append(storage[offset:offset + n].view(t.dtype).view(num_blocks, *t.shape[1:]))
+                n = t[:, 0].numel() * t.element_size() * num_blocks
+                views.append(storage[offset:offset + n].view(t.dtype).view(t.shape[0], num_blocks,
+                                                                            *t.shape[2:]))
                 offset += -(-n // 64) * 64
             self.host[layer] = views
         self._host_storage = storage
@@ -151,8 +159,13 @@ class PagedKVCache:
             a = torch.tensor([p[0] for p in pairs])
             b = torch.tensor([p[1] for p in pairs])
             for layer in group.layers:
-                for s, d in zip(src[layer], dst[layer]):
-                    d[b.to(d.device)] = s[a.to(s.device)].to(d.device)
+                for s, d in zip(src[layer], dst[layer]):  # blocks are dim 1
+                    d[:, b.to(d.device)] = s[:, a.to(s.device)].to(d.device)
+
+
+def _rows(blocks: Tensor) -> Tensor:
+    """[kv_heads, num_blocks, block_size, D] -> [kv_heads, slots, D] (a view)."""
+    return blocks.view(blocks.shape[0], -1, blocks.shape[-1])
 
 
 def _int8_quantise(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -8,6 +8,8 @@ reused by this very step.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,10 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.attn = PagedAttention(cache)
+        # bf16 on CPU: packed weight copies make decode matmuls ~1.5x faster (bit-identical);
+        # they cost the linear weights' bytes once more, so only when RAM has ample room.
+        if model.device.type == "cpu":
+            model.prepack(max_bytes=_available_ram() // 2)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> Tensor:
@@ -45,3 +51,10 @@ class ModelRunner:
         self.attn.prepare(spans, device)
         return self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device),
                           self.attn, torch.tensor(last, dtype=torch.long, device=device))
+
+
+def _available_ram() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

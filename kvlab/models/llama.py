@@ -14,6 +14,7 @@ to the attention backend (see ``attention.py``), so the paged engine reuses this
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -85,6 +86,107 @@ def inv_frequencies(cfg: dict[str, Any], head_dim: int) -> Tensor:
     return inv
 
 
+def _can_prepack(weight: Tensor) -> bool:
+    """oneDNN prepacking pays (and is bit-exact) for bf16 weights on a CPU with oneDNN."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (older builds lack it)
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+class PackedWeights:
+    """A oneDNN-packed copy of one or more linear layers' weights, stacked along the output
+    dimension (several layers that read the same input then run as one matmul: q/k/v,
+    gate/up).
+
+    On CPU a bf16 ``F.linear`` re-packs its weight into oneDNN's blocked layout on every call,
+    which makes small-batch (decode) matmuls compute-bound at a third of the memory bandwidth;
+    the packed copy is read as is. Each output column is computed exactly as ``F.linear``
+    computes it (same oneDNN kernel, same reduction), so results are bit-identical. The copy
+    is only used while every source weight and bias is the very tensor it was made from,
+    unmodified (``valid``); callers fall back to the plain layers otherwise.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        self.sources = self._sources()
+        with torch.no_grad():
+            weights = [m.weight.detach() for m in linears]
+            w = weights[0] if len(weights) == 1 else torch.cat(weights)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            biases = [m.bias for m in linears]
+            self.bias = None
+            if any(b is not None for b in biases):
+                self.bias = torch.cat([b.detach() if b is not None else w.new_zeros(m.out_features)
+                                       for b, m in zip(biases, linears)])
+        self.sizes = [m.out_features for m in linears]
+        self.dtype = w.dtype
+        self.nbytes = w.numel() * w.element_size()
+
+    def _sources(self) -> list[tuple[weakref.ref | None, int, int]]:
+        # weak references: a replaced weight is not kept alive by its stale copy
+        return [(weakref.ref(t), t._version, t.data_ptr()) if t is not None else (None, 0, 0)
+                for m in self.linears for t in (m.weight, m.bias)]
+
+    def valid(self) -> bool:
+        """Every source weight and bias is still the tensor the copy was made from, unmodified."""
+        i = 0
+        for m in self.linears:
+            for t in (m.weight, m.bias):
+                ref, version, ptr = self.sources[i]
+                if t is None:
+                    if ref is not None:
+                        return False
+                elif ref is None or ref() is not t or t._version != version or t.data_ptr() != ptr:
+                    return False
+                i += 1
+        return True
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack(linears: list[nn.Linear]) -> PackedWeights | None:
+    """Packed weights for these layers side by side, or None where packing does not apply (not
+    bf16 on a CPU with oneDNN)."""
+    if not all(_can_prepack(m.weight) for m in linears):
+        return None
+    return PackedWeights(linears)
+
+
+def _use(packed: PackedWeights | None, x: Tensor) -> bool:
+    """Run from `packed` now? Inference only (no autograd), matching dtype, fresh copy."""
+    return (packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled()
+            and packed.valid())
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once ``prepack()``-ed, runs inference from packed weights (see
+    ``PackedWeights``); otherwise, or when they are stale, plain ``F.linear``."""
+
+    _packed: PackedWeights | None = None
+
+    def prepack(self) -> int:
+        """Pack the weight if that applies here; returns the bytes the packed copy takes."""
+        if self._packed is None or not self._packed.valid():
+            self._packed = pack([self])
+        return self._packed.nbytes if self._packed is not None else 0
+
+    def unpack(self) -> None:
+        self._packed = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _use(self._packed, x):
+            return self._packed(x)  # type: ignore[misc]
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as in HF (bit-for-bit)."""
 
@@ -119,24 +221,45 @@ class Attention(nn.Module):
         bias = cfg.get("attention_bias", False)
         qkv_bias = True if mtype == "qwen2" else bias  # Qwen2 hard-codes q/k/v bias
         o_bias = bias if mtype in ("llama", "qwen3") else False
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.qk_norm = mtype == "qwen3"
         if self.qk_norm:
             eps = cfg.get("rms_norm_eps", 1e-6)
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
 
+    _qkv: PackedWeights | None = None  # q/k/v stacked: one matmul (see CausalLM.prepack)
+
+    def prepack(self) -> int:
+        if self._qkv is None or not self._qkv.valid():
+            self._qkv = pack([self.q_proj, self.k_proj, self.v_proj])
+        return (self._qkv.nbytes if self._qkv is not None else 0) + self.o_proj.prepack()
+
+    def unpack(self) -> None:
+        self._qkv = None
+        self.o_proj.unpack()
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        t, h, kvh, d = x.shape[0], self.num_heads, self.kv_heads, self.head_dim
+        qk: Tensor | None = None  # q and k side by side [t, h + kvh, d]: one RoPE pass for both
+        if _use(self._qkv, x):
+            qkv = self._qkv(x)  # type: ignore[misc]
+            qk, v = qkv[:, :(h + kvh) * d].view(t, h + kvh, d), qkv[:, (h + kvh) * d:]
+            q, k = qk.split((h, kvh), 1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        v = v.view(t, kvh, d)
+        if qk is not None and not self.qk_norm:
+            # RoPE is elementwise: one pass over q and k side by side gives the same values
+            q, k = apply_rope(qk, cos, sin).split((h, kvh), 1)
+        else:
+            q, k = q.view(t, h, d), k.view(t, kvh, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -144,12 +267,30 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+
+    _gate_up: PackedWeights | None = None  # gate/up stacked: one matmul (see CausalLM.prepack)
+
+    def prepack(self) -> int:
+        if self._gate_up is None or not self._gate_up.valid():
+            self._gate_up = pack([self.gate_proj, self.up_proj])
+        return (self._gate_up.nbytes if self._gate_up is not None else 0) + self.down_proj.prepack()
+
+    def unpack(self) -> None:
+        self._gate_up = None
+        self.down_proj.unpack()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if _use(self._gate_up, x):
+            gate, up = self._gate_up(x).split(self._gate_up.sizes, -1)  # type: ignore[misc, union-attr]
+            return self.down_proj(F.silu(gate).mul_(up))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # in place on the fresh projection outputs: the same values, no extra [T, inter] buffers
+        gate = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -196,7 +337,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.config = spec.config
         self.model = DecoderModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(spec.config, heads.pop()), persistent=False)
@@ -210,6 +351,35 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    def prepack(self, max_bytes: int | None = None) -> int:
+        """Give every linear layer a packed copy of its weight for faster inference (bf16 on
+        CPU; a no-op elsewhere). Skipped when the copies would take more than ``max_bytes``.
+        Returns the bytes the copies take."""
+        if not _can_prepack(self.lm_head.weight):
+            return 0
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        if max_bytes is not None and need > max_bytes and not self.is_packed():
+            return 0
+        done = self.lm_head.prepack()
+        for layer in self.model.layers:
+            done += layer.self_attn.prepack() + layer.mlp.prepack()
+        return done
+
+    def is_packed(self) -> bool:
+        """Every linear layer runs from a valid packed copy."""
+        packs = [self.lm_head._packed] + [p for layer in self.model.layers for p in (
+            layer.self_attn._qkv, layer.self_attn.o_proj._packed, layer.mlp._gate_up,
+            layer.mlp.down_proj._packed)]
+        return all(p is not None and p.valid() for p in packs)
+
+    def unpack(self) -> None:
+        """Drop the packed copies (their memory); inference runs plain ``F.linear`` again."""
+        self.lm_head.unpack()
+        for layer in self.model.layers:
+            layer.self_attn.unpack()
+            layer.mlp.unpack()
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
