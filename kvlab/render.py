@@ -142,6 +142,8 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t.add_row("prefix cache hits", f"{r.prefix_hit_rate:.1%}", f"{r.prefix_hits:,} of {r.prefix_queries:,} prompt tokens")
     t.add_row("preemptions", f"{r.preemptions}", "")
     c.print(t)
+    for note in r.notes:
+        c.print(f"[yellow]note:[/] {note}")
 
 
 def print_demo(d: DemoReport, console: Console | None = None) -> None:

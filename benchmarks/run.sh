@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The runs behind docs/benchmarks.md. One at a time: they share 2 cores. Results go to out/bench/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+K=.venv/bin/kvlab
+M="qwen2.5-0.5b --random-weights --dtype bf16 --threads ${THREADS:-2}"
+mkdir -p out/bench
+run() { local name=$1; shift; echo "== $name: kvlab $*"; "$K" "$@" --json > "out/bench/$name.json"; }
+
+# issue 5 targets
+run throughput   bench $M --num-requests 64 --input-len 64:512 --output-len 32:256 --compare hf
+run batch1       bench $M --num-requests 1 --input-len 128 --output-len 128 --compare hf
+run prefix       bench $M --num-requests 32 --input-len 512 --output-len 16 --shared-prefix 448
+run noshare-on   bench $M --num-requests 32 --input-len 64:512 --output-len 32:64
+run noshare-off  bench $M --num-requests 32 --input-len 64:512 --output-len 32:64 --no-prefix-caching
+run fp8          bench $M --num-requests 64 --input-len 64:512 --output-len 32:256 --kv-dtype fp8_e4m3
+# the planner and the measurement on the bundled model
+/usr/bin/time -f "plan: %e s" "$K" plan llama-3.1-70b --context 131072 --users 4 --gpus 8 > /dev/null
+"$K" measure --json --plot out/bench/measure.png > out/bench/measure.json
