@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kvlab.engine.options import byte_size, positive_int
+
 
 class UsageError(Exception):
     """A mistake in what the user typed: reported as one line, exit code 2."""
@@ -14,25 +16,6 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of usage + error
         raise UsageError(f"{self.prog}: {message}")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _byte_size(text: str) -> int:
-    from kvlab.units import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # --- plan / models -----------------------------------------------------------------------------
@@ -249,22 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="KV-cache memory, capacity and speed bounds for a model")
     p.add_argument("model", help="catalogue name (llama-3.1-70b, Qwen/Qwen2.5-7B), config.json or checkpoint folder")
-    p.add_argument("--context", type=_positive_int, default=8192, help="tokens per sequence (default 8192)")
-    p.add_argument("--users", type=_positive_int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--context", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
+    p.add_argument("--users", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--kv-dtype", default="bf16", help="fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4")
     p.add_argument("--weights-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
     p.add_argument("--gpu", default="h100-sxm", help="h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, l4, "
                    "l40s, rtx-3060, rtx-4090, mi300x, b200, or cpu (this machine)")
-    p.add_argument("--gpus", type=_positive_int, help="GPUs in the deployment (default: --tp, else 1)")
-    p.add_argument("--tp", type=_positive_int, help="tensor-parallel size (default: --gpus)")
+    p.add_argument("--gpus", type=positive_int, help="GPUs in the deployment (default: --tp, else 1)")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: --gpus)")
     p.add_argument("--mem-util", type=float, default=0.9, help="fraction of GPU memory to use (default 0.9)")
-    p.add_argument("--gpu-memory", type=_byte_size, help="override the GPU's memory, e.g. 12.49GB")
-    p.add_argument("--prompt", type=_positive_int, default=128, help="prompt length for the cache/no-cache work table")
-    p.add_argument("--kv-memory", type=_byte_size, metavar="BYTES",
+    p.add_argument("--gpu-memory", type=byte_size, help="override the GPU's memory, e.g. 12.49GB")
+    p.add_argument("--prompt", type=positive_int, default=128, help="prompt length for the cache/no-cache work table")
+    p.add_argument("--kv-memory", type=byte_size, metavar="BYTES",
                    help="the engine's KV budget, e.g. 2GiB: adds kv_cache_blocks/tokens and max_concurrency")
-    p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+    p.add_argument("--block-size", type=positive_int, default=16, metavar="N",
                    help="tokens per engine KV block (default 16)")
-    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
+    p.add_argument("--max-model-len", type=positive_int, metavar="N",
                    help="sequence length for max_concurrency (default: --context)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
@@ -278,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (default: the bundled demo model), or with --random-weights "
                    "a catalogue name or config.json")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--temperature", type=_float_arg, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=_float_arg, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--top-k", type=_int_arg, default=0, help="keep the k most likely tokens (default 0: off)")
@@ -289,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random weights from the config (seeded); no tokenizer unless the folder has one")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's; use 1 on a busy shared machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
     p.set_defaults(func=cmd_generate)
@@ -305,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill lengths for the slope (default 128,256,512,1024)")
     p.add_argument("--new-tokens", type=_int_list, default=[64, 128, 256],
                    help="new tokens for the cache vs no-cache runs (default 64,128,256)")
-    p.add_argument("--prompt", type=_positive_int, default=128, help="prompt tokens for those runs (default 128)")
+    p.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens for those runs (default 128)")
     p.add_argument("--plot", help="write the slope and cache/no-cache curves to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_measure)
@@ -324,14 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
-    p.add_argument("--num-requests", type=_positive_int, default=64)
+    p.add_argument("--num-requests", type=positive_int, default=64)
     p.add_argument("--input-len", type=_length_range, default=(64, 512), help="prompt tokens, A:B (default 64:512)")
     p.add_argument("--output-len", type=_length_range, default=(32, 256), help="new tokens, C:D (default 32:256)")
     p.add_argument("--shared-prefix", type=_int_arg, default=0, help="tokens every prompt starts with")
     p.add_argument("--seed", type=_int_arg, default=0)
     p.add_argument("--compare", choices=["hf"], help="also run the requests through transformers")
-    p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size for --compare hf")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--hf-batch-size", type=positive_int, default=8, help="static batch size for --compare hf")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
@@ -339,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="kvlab's main job: the bundled model through the paged engine, "
                        "with a cache small enough to preempt, beside the plan's prediction")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the bundled demo model)")
-    p.add_argument("--max-tokens", type=_positive_int, default=48)
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--max-tokens", type=positive_int, default=48)
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -1,8 +1,15 @@
 import pytest
 import torch
 
-# Tiny test models run fastest on one thread; more threads only fight over 2 shared cores.
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny test models run fastest on one thread: on a shared 2-core machine torch's threads
+    spin against other processes (10x slower). Restored after each test, since CLI tests may
+    pass --threads."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -52,15 +52,6 @@ def reference(model: CausalLM, batch: list[list[int]], params: SamplingParams = 
     return [generate(model, p, params).token_ids for p in batch]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: extra threads only add contention (100x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def llama() -> CausalLM:
     return tiny_model()

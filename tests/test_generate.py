@@ -16,16 +16,6 @@ from kvlab.models import loader as loader_mod
 from kvlab.sampling import SamplingParams
 from tests.test_models import make_checkpoint
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine torch's threads
-    spin against other processes (10x slower); restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 CORPUS = ["hello world, the cache holds keys and values of every earlier token"] * 10 + [
     "héllo wörld 日本語 🙂 naïve café"]
 

@@ -46,16 +46,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine torch's threads
-    spin against other processes (10x slower); restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random transformers model of ``family`` to ``folder``; return the folder."""
     cfg_name, model_name, extra, save_kwargs = FAMILIES[family]

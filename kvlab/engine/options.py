@@ -13,7 +13,7 @@ PREEMPTION_MODES = ("recompute", "swap-ram", "swap-disk")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -23,7 +23,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _byte_size(text: str) -> int:
+def byte_size(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as e:
@@ -46,10 +46,10 @@ def _opt(default: Any, help: str, **flag: Any) -> Any:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    block_size: int = _opt(16, "tokens per KV block (default 16)", type=_positive_int, metavar="N")
+    block_size: int = _opt(16, "tokens per KV block (default 16)", type=positive_int, metavar="N")
     kv_memory: int | None = _opt(
         None, "bytes for the KV cache, e.g. 2GiB (default: --mem-util on a GPU, 1 GiB on CPU)",
-        type=_byte_size, metavar="BYTES")
+        type=byte_size, metavar="BYTES")
     mem_util: float | None = _opt(
         None, "fraction of device memory for weights + activations + KV cache, the rest of which "
         "the cache gets (default 0.9 on a GPU)", type=_fraction, metavar="FRACTION")
@@ -57,11 +57,11 @@ class EngineOptions:
                          "fp8_e4m3, fp8_e5m2, int8", choices=KV_DTYPES)
     max_model_len: int | None = _opt(
         None, "longest sequence, prompt + output (default: the model's max_position_embeddings)",
-        type=_positive_int, metavar="N")
+        type=positive_int, metavar="N")
     max_num_seqs: int = _opt(256, "sequences running at once (default 256)",
-                             type=_positive_int, metavar="N")
+                             type=positive_int, metavar="N")
     max_num_batched_tokens: int = _opt(2048, "tokens per step, decodes + prefill chunks "
-                                       "(default 2048)", type=_positive_int, metavar="N")
+                                       "(default 2048)", type=positive_int, metavar="N")
     preemption: str = _opt("recompute", "when blocks run out: free and recompute, or copy blocks "
                            "to RAM / a file on disk and back", choices=PREEMPTION_MODES)
     prefix_caching: bool = _opt(True, "turn prefix caching off (on by default: full blocks of "
