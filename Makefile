@@ -21,7 +21,7 @@ $(CHROMIUM):
 setup: $(BIN)/kvlab
 
 demo: setup
-	$(BIN)/kvlab plan llama-3.1-70b --context 131072 --users 4 --gpus 8
+	$(BIN)/kvlab demo
 
 test: setup $(CHROMIUM)
 	$(BIN)/pytest
