@@ -14,7 +14,7 @@ from kvlab.engine.options import EngineOptions, add_engine_args
 from kvlab.generate import generate
 from kvlab.models.loader import ByteTokenizer
 from tests.test_engine_parity import (  # noqa: F401
-    GREEDY, kv_bytes, one_thread, prompts, reference, tiny_config, tiny_model)
+    GREEDY, kv_bytes, prompts, reference, tiny_config, tiny_model)
 
 
 @pytest.fixture(scope="module")

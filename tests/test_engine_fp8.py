@@ -16,7 +16,7 @@ from kvlab.engine.llm import LLM
 from kvlab.engine.sizing import cdiv, layer_groups
 from kvlab.models.llama import CausalLM
 from kvlab.sampling import SamplingParams
-from tests.test_engine_parity import kv_bytes, one_thread, prompts, reference, tiny_model  # noqa: F401
+from tests.test_engine_parity import kv_bytes, prompts, reference, tiny_model  # noqa: F401 (fixtures)
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24)
 

@@ -16,7 +16,7 @@ from kvlab.engine.llm import LLM
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.sizing import kv_cache_capacity, layer_groups
 from kvlab.plan import PlanRequest, make_plan
-from tests.test_engine_parity import one_thread, tiny_config, tiny_model  # noqa: F401
+from tests.test_engine_parity import tiny_config, tiny_model  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"])
