@@ -39,8 +39,8 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
     """Generate a continuation for each opening (greedy) with a cache that holds one whole
     sequence and a little more, so the others wait, share the opening's blocks, and get
     preempted as they grow; collect the cache report."""
-    from kvlab.engine.llm import DEMO_MODEL
     from kvlab.models import load
+    from kvlab.models.loader import DEMO_MODEL
 
     loaded = load(model or DEMO_MODEL)
     prompts = [PREAMBLE + o for o in OPENINGS]

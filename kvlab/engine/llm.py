@@ -18,10 +18,8 @@ from kvlab.engine.engine import EngineMetrics, LLMEngine, RequestOutput
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.sizing import KVCapacity
 from kvlab.models.llama import CausalLM
-from kvlab.models.loader import TextTokenizer, load
+from kvlab.models.loader import DEMO_MODEL, TextTokenizer, load
 from kvlab.sampling import SamplingParams
-
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 
 Prompt = str | list[int]
 
