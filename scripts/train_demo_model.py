@@ -444,7 +444,10 @@ class RowSampler:
     (b) recall documents (BOS ... EOS, see :func:`make_recall_training_doc`)
     and (c) now and then a passage of novel text that is repeated verbatim a
     little later (a dense copying signal that makes the model learn to look
-    back, which the recall task needs). Returns (ids, answer_mask)."""
+    back, which the recall task needs). Half of the novel windows start at a
+    paragraph with BOS: a user's prompt starts with BOS too, and if only
+    recall documents did, the model would answer any prompt with facts.
+    Returns (ids, answer_mask)."""
 
     def __init__(self, tok, train_text: str, seq_len: int, rng: random.Random,
                  recall_counts=(1, 2, 3, 4), recall_weights=(0.2, 0.3, 0.3, 0.2),
@@ -452,6 +455,7 @@ class RowSampler:
         self.tok, self.text, self.T, self.rng = tok, train_text, seq_len, rng
         self.bos, self.eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
         self.stream = _encode(tok, train_text)
+        self.para_starts = [0] + [m.end() for m in re.finditer(r"\n\n", train_text)]
         self.recall_counts, self.recall_weights = recall_counts, recall_weights
         self.filler_words = filler_words
         self.repeat_prob = repeat_prob
@@ -486,6 +490,11 @@ class RowSampler:
     def _corpus(self, n: int):
         if n == 0:
             return [], []
+        if n > 1 and self.rng.random() < 0.5:  # a document: BOS + text from a paragraph start
+            start = self.rng.choice(self.para_starts)
+            ids = [self.bos] + _encode(self.tok, self.text[start:start + 8 * n])[:n - 1]
+            if len(ids) == n:
+                return ids, [0] * n
         start = self.rng.randrange(0, len(self.stream) - n)
         return self.stream[start:start + n], [0] * n
 

@@ -242,7 +242,9 @@ class Attention(nn.Module):
         self._qkv = None
         self.o_proj.unpack()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+                rows: Tensor | None = None) -> Tensor:
+        """Every row's K/V goes to the cache; the output is for ``rows`` only (all if None)."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.kv_heads, self.head_dim
         qk: Tensor | None = None  # q and k side by side [t, h + kvh, d]: one RoPE pass for both
         if _use(self._qkv, x):
@@ -260,8 +262,8 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = attn.attend(self.layer_idx, q, k, v).reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class MLP(nn.Module):
@@ -303,8 +305,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+                rows: Tensor | None = None) -> Tensor:
+        """Output rows ``rows`` only (all if None); the cache still gets every row's K/V."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attn, rows)
+        x = (x if rows is None else x[rows]) + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -322,9 +327,9 @@ class CausalLM(nn.Module):
     """A decoder-only LM over flat tokens.
 
     ``forward(input_ids [T], positions [T], attn, logits_indices [N] | None) -> logits [N, vocab]``.
-    Only the hidden states at ``logits_indices`` reach the final norm and the LM head: during
-    generation that is one row per sequence, never [T, vocab] for a whole prompt (which for a
-    151,936-word vocabulary costs ~10x the KV cache). ``None`` returns every position (the
+    Only the rows at ``logits_indices`` go through the last layer's o_proj and MLP, the final
+    norm and the LM head: during generation that is one row per sequence, never [T, vocab] for
+    a whole prompt (which for a 151,936-word vocabulary costs ~10x the KV cache). ``None`` returns every position (the
     "naive" forward pass that ``measure`` compares against).
     """
 
@@ -395,8 +400,10 @@ class CausalLM(nn.Module):
                 logits_indices: Tensor | None = None) -> Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        for layer in self.model.layers:
+        *body, last = self.model.layers
+        for layer in body:
             x = layer(x, cos, sin, attn)
-        if logits_indices is not None:
-            x = x[logits_indices]
+        # The last layer's o_proj and MLP run only where logits are wanted: the other rows
+        # only had to leave their K/V in the cache.
+        x = last(x, cos, sin, attn, logits_indices)
         return self.lm_head(self.model.norm(x))
