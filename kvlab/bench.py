@@ -2,8 +2,9 @@
 Hugging Face transformers run the way users run it (static, left-padded batches).
 
 Figures: output tokens/s, TTFT and inter-token latency p50/p99, peak KV usage, KV waste
-(allocated-but-empty slots / slots holding tokens, at the peak), prefix hit rate, and for a
-single request its decode speed as a fraction of the memory-bandwidth bound of `kvlab plan`.
+(allocated-but-empty slots / slots holding tokens, at the peak), prefix hit rate; the
+compute bound (the workload's FLOPs at this machine's measured matmul peak), and for a single
+request its decode speed as a fraction of the memory-bandwidth bound of `kvlab plan`.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ class BenchResult:
     kv_cache_blocks: int
     ttft_first_s: float  # the first request's TTFT (cold, for shared-prefix runs)
     ttft_mean_after_first_s: float
+    work_flops: float = 0.0  # the workload's FLOPs (`kvlab.plan.generation_flops`, all requests)
     decode_tokens_per_s: float | None = None  # single request: tokens after the first / time
     bound_tokens_per_s: float | None = None  # memory-bandwidth bound of `kvlab plan --gpu cpu`
+    matmul_peak_flops: float | None = None  # measured: one large matmul in the model's dtype
+    compute_bound_tokens_per_s: float | None = None  # output tokens / (work at the matmul peak)
     hf_output_tokens_per_s: float | None = None
     hf_batch_size: int | None = None
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
@@ -123,6 +127,8 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     saves (added all at once, the first steps would compute the prefix for several requests
     and everyone would queue behind them). TTFT counts from each request's arrival.
     Returns the figures and each request's generated ids, in request order."""
+    from kvlab.plan import generation_flops
+
     engine = LLMEngine(model, None, options)
     reqs = work.requests(model.spec.vocab_size)
     staggered = work.shared_prefix > 0 if staggered is None else staggered
@@ -185,6 +191,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
         prefix_queries=m.prefix_cache_queries, prefix_hits=m.prefix_cache_hits,
         prefix_hit_rate=m.prefix_cache_hits / m.prefix_cache_queries if m.prefix_cache_queries else 0.0,
         preemptions=m.preemptions, kv_cache_blocks=m.kv_cache_blocks,
+        work_flops=sum(generation_flops(model.spec, len(p), n) for p, n in reqs),
         ttft_first_s=ttfts[0], ttft_mean_after_first_s=statistics.fmean(after) if after else ttfts[0],
         decode_tokens_per_s=(tokens - 1) / (seconds - ttfts[0]) if single else None,
         notes=["requests arrived one after another, each once the previous one had its first "
@@ -230,6 +237,33 @@ def run_hf(model: CausalLM, work: Workload, batch_size: int,
             useful += n
         progress(min(start + batch_size, len(reqs)), len(reqs))
     return useful / (time.perf_counter() - t0), outputs
+
+
+def matmul_peak(model: CausalLM, rows: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of this machine's best case for the model: one [rows, hidden] x [hidden,
+    intermediate] matmul in the model's dtype on its device, at the current thread count (best
+    of `repeats`). A workload's FLOPs at this rate give the compute bound of its throughput."""
+    k, n = model.spec.hidden_size, int(model.config["intermediate_size"])
+    a = torch.randn(rows, k, dtype=model.dtype, device=model.device)
+    b = torch.randn(k, n, dtype=model.dtype, device=model.device)
+    a @ b  # warm-up: kernels, caches, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * rows * k * n / best
+
+
+def add_compute_bound(result: BenchResult, model: CausalLM) -> None:
+    """Fill the measured matmul peak and the throughput the workload's FLOPs allow at it."""
+    result.matmul_peak_flops = matmul_peak(model)
+    result.compute_bound_tokens_per_s = (result.output_tokens * result.matmul_peak_flops
+                                         / result.work_flops)
 
 
 def bandwidth_bound(model: CausalLM, context: int) -> float:

@@ -180,7 +180,7 @@ def _length_range(text: str) -> tuple[int, int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from kvlab.bench import Workload, bandwidth_bound, run_engine, run_hf
+    from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.engine.options import EngineOptions
     from kvlab.models import load, loader
 
@@ -201,6 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             hf_tps, hf_out = run_hf(model, work, args.hf_batch_size, lambda d, t: bar.update(task, completed=d))
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
+    add_compute_bound(result, model)
     if result.decode_tokens_per_s is not None:
         result.bound_tokens_per_s = bandwidth_bound(model, args.input_len[1] + args.output_len[1] // 2)
     if args.json:

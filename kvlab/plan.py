@@ -203,6 +203,14 @@ def prefill_flops(spec: ModelSpec, tokens: int) -> float:
     return dense + attn
 
 
+def generation_flops(spec: ModelSpec, prompt: int, new_tokens: int) -> float:
+    """FLOPs to generate ``new_tokens`` after a ``prompt``-token prompt with a KV cache: every
+    token but the last generated one passes through the model once (causally, as one long
+    prefill would), and each of the ``new_tokens`` sampling positions through the LM head."""
+    lm_head = 2 * spec.vocab_size * spec.hidden_size
+    return prefill_flops(spec, prompt + new_tokens - 1) + (new_tokens - 1) * lm_head
+
+
 def work_table(prompt: int, new_tokens: tuple[int, ...]) -> list[dict]:
     """Tokens pushed through the model with a cache (P + N - 1) and without (sum of P + i)."""
     rows = []

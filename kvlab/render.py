@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.plan import Plan
-from kvlab.units import fmt_bytes, fmt_seconds
+from kvlab.units import fmt_bytes, fmt_flops, fmt_seconds
 
 if TYPE_CHECKING:
     from kvlab.bench import BenchResult
@@ -130,6 +130,13 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
         t.add_row(f"transformers (static batches of {r.hf_batch_size})", f"{r.hf_output_tokens_per_s:,.1f}",
                   f"kvlab is {r.output_tokens_per_s / r.hf_output_tokens_per_s:.2f}x; "
                   f"{r.hf_identical_requests}/{r.num_requests} identical greedy outputs")
+    if r.compute_bound_tokens_per_s:
+        share = f"kvlab at {r.output_tokens_per_s / r.compute_bound_tokens_per_s:.0%} of it"
+        if r.hf_output_tokens_per_s:
+            share += f", transformers at {r.hf_output_tokens_per_s / r.compute_bound_tokens_per_s:.0%}"
+        t.add_row("compute bound (output tokens/s)", f"{r.compute_bound_tokens_per_s:,.1f}",
+                  f"{fmt_flops(r.work_flops)} at the measured matmul peak "
+                  f"{r.matmul_peak_flops / 1e9:,.0f} GFLOP/s; {share}")
     if r.decode_tokens_per_s is not None:
         t.add_row("decode tokens/s (batch 1)", f"{r.decode_tokens_per_s:,.1f}",
                   f"{r.decode_tokens_per_s / r.bound_tokens_per_s:.0%} of the bandwidth bound "

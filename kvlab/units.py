@@ -33,3 +33,11 @@ def fmt_bytes(n: float | None) -> str:
 
 def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def fmt_flops(n: float) -> str:
+    """'22.31 TFLOP', '351.2 GFLOP', '12.0 MFLOP'."""
+    for scale, unit in ((1e12, "TFLOP"), (1e9, "GFLOP")):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 1e6:,.1f} MFLOP"

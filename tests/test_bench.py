@@ -1,0 +1,86 @@
+"""`kvlab bench`: the seeded workload, the engine run's figures, transformers' run, FLOP counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlab.bench import Workload, parse_range, run_engine, run_hf
+from kvlab.cli import main
+from kvlab.engine.options import EngineOptions
+from kvlab.plan import generation_flops, prefill_flops
+from kvlab.sampling import SamplingParams
+from kvlab.spec import spec_from_config
+from tests.conftest import llama_like
+from tests.test_engine_parity import kv_bytes, reference, tiny_model
+
+
+def test_workload_is_seeded_and_in_range():
+    w = Workload(20, (5, 30), (2, 9), shared_prefix=4, seed=3)
+    reqs = w.requests(128)
+    assert reqs == w.requests(128)
+    assert reqs != Workload(20, (5, 30), (2, 9), shared_prefix=4, seed=4).requests(128)
+    assert all(5 <= len(p) <= 30 and 2 <= n <= 9 for p, n in reqs)
+    assert len({tuple(p[:4]) for p, _ in reqs}) == 1  # the shared prefix opens every prompt
+    assert len({tuple(p[4:]) for p, _ in reqs}) == 20
+    with pytest.raises(ValueError, match="shorter than the shortest input"):
+        Workload(2, (4, 8), (1, 1), shared_prefix=4).requests(128)
+
+
+@pytest.mark.parametrize("text", ["", "0:4", "9:3", "a:b", "1:2:3"])
+def test_parse_range_rejects(text):
+    with pytest.raises(ValueError, match="not a length range"):
+        parse_range(text)
+
+
+def test_parse_range():
+    assert parse_range("64:512") == (64, 512) and parse_range("128") == (128, 128)
+
+
+def test_generation_flops_adds_one_decode_step_per_token():
+    spec = spec_from_config(llama_like(num_hidden_layers=4), "t")
+    assert generation_flops(spec, 100, 1) == prefill_flops(spec, 100)
+    embed = spec.vocab_size * spec.hidden_size * 2  # untied: embeddings and LM head
+    layer = spec.layers[0]
+    for p, n in ((100, 2), (37, 50)):
+        context = p + n - 1  # the new step's query attends to every earlier token and itself
+        step = (2 * (spec.active_params - embed) + 2 * spec.vocab_size * spec.hidden_size
+                + spec.num_layers * 4 * layer.num_heads * layer.head_dim * context)  # QK^T, PV
+        assert generation_flops(spec, p, n) - generation_flops(spec, p, n - 1) == pytest.approx(step)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_run_engine_matches_the_reference_and_counts(model):
+    work = Workload(6, (3, 40), (2, 12), seed=1)
+    reqs = work.requests(model.spec.vocab_size)
+    options = EngineOptions(kv_memory=kv_bytes(model, 64, 4), block_size=4, max_num_batched_tokens=16)
+    result, outputs = run_engine(model, options, work)
+    assert outputs == [reference(model, [p], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+                       for p, n in reqs]
+    assert result.output_tokens == sum(n for _, n in reqs)
+    assert result.work_flops == sum(generation_flops(model.spec, len(p), n) for p, n in reqs)
+    assert 0 < result.peak_kv_usage <= 1 and 0 <= result.kv_waste_at_peak < 1
+    assert result.ttft_p50_s <= result.ttft_p99_s <= result.seconds
+
+
+def test_hf_runs_the_same_requests(model):
+    work = Workload(5, (3, 30), (2, 10), seed=2)
+    result, outputs = run_engine(model, EngineOptions(kv_memory=kv_bytes(model, 64, 4), block_size=4),
+                                 work)
+    tps, hf_outputs = run_hf(model, work, batch_size=2)
+    assert tps > 0 and hf_outputs == outputs
+
+
+def test_cli_bench_json_on_the_bundled_model(capsys):
+    args = ["bench", "--num-requests", "3", "--input-len", "8:24", "--output-len", "4:6", "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["num_requests"] == 3 and 12 <= r["output_tokens"] <= 18
+    assert r["matmul_peak_flops"] > 0
+    assert r["compute_bound_tokens_per_s"] == pytest.approx(
+        r["output_tokens"] * r["matmul_peak_flops"] / r["work_flops"])
