@@ -101,6 +101,30 @@ def test_abort_frees_blocks_at_once(model):
     assert (m.kv_blocks_used, m.running, m.waiting) == (0, 0, 0)
 
 
+def test_block_map_and_cached_blocks(model):
+    llm = LLM(model, kv_memory=kv_bytes(model, 64, 4), block_size=4)
+    engine = llm.engine
+    shared = prompts((8,), seed=3)[0]
+    own = prompts((3, 5), seed=4)
+    a = engine.add_request(shared + own[0], GREEDY)
+    engine.step()  # a's prompt is computed: its full blocks can be found by b
+    b = engine.add_request(shared + own[1], GREEDY)
+    engine.step()
+    snap = engine.block_map()
+    (group,) = snap["groups"]
+    assert len(group["blocks"]) == snap["num_blocks"] == 64
+    tables = {r["id"]: r["blocks"][0] for r in snap["requests"]}
+    assert set(tables) == {a, b}
+    for block, letter in enumerate(group["blocks"]):
+        owners = sum(block in t for t in tables.values())
+        assert letter == ("s" if owners > 1 else "u" if owners else "f")
+    assert group["blocks"].count("s") >= 1  # the first 8 tokens' blocks are stored once
+    while engine.has_unfinished():
+        engine.step()
+    m = engine.metrics()
+    assert m.kv_blocks_used == 0 and m.kv_blocks_cached == engine.block_map()["groups"][0]["blocks"].count("c") > 0
+
+
 def test_bad_engine_setups(model):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(model, kv_memory=2**20, max_model_len=10_000)

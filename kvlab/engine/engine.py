@@ -55,6 +55,7 @@ class EngineMetrics:
     kv_cache_tokens: int
     max_concurrency: float
     kv_blocks_used: int  # summed over layer groups
+    kv_blocks_cached: int  # free, but holding a cached prefix block (summed over groups)
     kv_blocks_total: int
     kv_usage: float  # used / total
     prefix_cache_queries: int  # prompt tokens looked up (first admissions)
@@ -238,7 +239,30 @@ class LLMEngine:
         return EngineMetrics(
             kv_cache_blocks=c.blocks, kv_cache_tokens=c.tokens, max_concurrency=c.max_concurrency,
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks * len(kv.pools),
+            kv_blocks_cached=sum(pool.num_cached for pool in kv.pools),
             kv_usage=kv.usage, prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
             swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
             running=len(s.running), waiting=s.num_waiting, swapped=s.num_swapped)
+
+    def block_map(self) -> dict:
+        """A snapshot of the block pools for drawing: per layer group one letter per block (f
+        free, u held by one request, s shared by several (a common prefix stored once), c free
+        but cached), and each request's blocks. One string per group keeps a pool of tens of
+        thousands of blocks to a few KB."""
+        kv = self.kv
+        groups = []
+        for group, pool in zip(kv.groups, kv.pools, strict=True):
+            states = ["s" if r > 1 else "u" if r else "f" for r in pool.ref_cnt]
+            for b in pool.cached_ids():
+                states[b] = "c"
+            name = "full attention" if group.window is None else f"sliding window {group.window}"
+            groups.append({"name": name, "layers": len(group.layers), "window": group.window,
+                           "blocks": "".join(states)})
+        requests = [{"id": rid, "status": seq.status.value, "num_tokens": seq.num_tokens,
+                     "num_prompt_tokens": seq.num_prompt_tokens,
+                     "num_cached_tokens": seq.num_cached_tokens,
+                     "blocks": [[b for b in t if b >= 0] for t in seq.block_tables]}
+                    for rid, seq in self.scheduler.requests.items()]
+        return {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "groups": groups,
+                "requests": requests}

@@ -244,38 +244,20 @@ class EngineBridge:
 
     def _read_gauges(self) -> EngineGauges:
         m = self.engine.metrics()
-        cached = sum(pool.num_cached for pool in self.engine.kv.pools)
         return EngineGauges(
-            num_blocks=m.kv_blocks_total, used_blocks=m.kv_blocks_used, cached_blocks=cached,
+            num_blocks=m.kv_blocks_total, used_blocks=m.kv_blocks_used, cached_blocks=m.kv_blocks_cached,
             block_size=self.engine.capacity.block_size, prefix_queries_tokens=m.prefix_cache_queries,
             prefix_hits_tokens=m.prefix_cache_hits, preemptions=m.preemptions,
             swapped_out_blocks=m.swapped_out_blocks, swapped_in_blocks=m.swapped_in_blocks,
             running=m.running, waiting=m.waiting, swapped=m.swapped)
 
     def block_map(self) -> dict[str, Any]:
-        """The pool as the live view draws it; call through ``call`` (engine thread only).
-
-        Each group's blocks are one string, a letter per block (f free, u held by one request,
-        s shared by several: a common prefix stored once, c free but cached): a pool of tens of
-        thousands of blocks stays a few KB per poll."""
-        kv, sched = self.engine.kv, self.engine.scheduler
-        groups = []
-        for group, pool in zip(kv.groups, kv.pools, strict=True):
-            states = ["s" if r > 1 else "u" if r else "f" for r in pool.ref_cnt]
-            for b in pool.cached_ids():
-                states[b] = "c"
-            name = "full attention" if group.window is None else f"sliding window {group.window}"
-            groups.append({"name": name, "layers": len(group.layers), "window": group.window,
-                           "blocks": "".join(states)})
-        requests = [{"id": rid, "status": seq.status.value, "num_tokens": seq.num_tokens,
-                     "num_prompt_tokens": seq.num_prompt_tokens, "num_cached_tokens": seq.num_cached_tokens,
-                     "blocks": [[b for b in t if b >= 0] for t in seq.block_tables]}
-                    for rid, seq in sched.requests.items()]
+        """The engine's block map (``LLMEngine.block_map``) with the gauges; call through
+        ``call`` (engine thread only)."""
         g = self._read_gauges()
         stats = {**asdict(g), "usage": g.usage, "hit_rate": g.hit_rate,
                  "free_blocks": g.num_blocks - g.used_blocks - g.cached_blocks}
-        return {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "groups": groups,
-                "requests": requests, "stats": stats}
+        return {**self.engine.block_map(), "stats": stats}
 
 
 def _put_all(batch: list[tuple[RequestStream, StepOutput | BaseException]]) -> None:
