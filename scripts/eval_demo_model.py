@@ -9,6 +9,9 @@ Loads the saved checkpoint with ``transformers`` (float32 on CPU) and reports:
   ``RECALL_EVAL_SEED``, 250-550 words of held-out filler between the facts
   and the question), greedy decoding, and the same with the fact sentences
   removed from the prompts (the no-information baseline);
+* copying: the loss on a held-out passage said a second time, with its first
+  occurrence 300 tokens earlier in the context, and with that occurrence
+  replaced by other text (what evicting those cached tokens would cost);
 * greedy continuations of a few English prompts.
 
 Needs the same data package as training (see ``train_demo_model.py``)::
@@ -92,10 +95,42 @@ def evaluate(model_dir: str, austen_dir: str, n_recall: int = tdm.RECALL_EVAL_N,
         print(f"{name}: {ok}/{len(examples)} = {ok / len(examples):.3f} "
               f"(prompts {min(lens)}-{max(lens)} tokens)", flush=True)
 
+    res["copy"] = copy_benefit(model, tok, heldout_text)
+    c = res["copy"]
+    print(f"repeated passage: {c['nll_with_first']:.3f} nats/token with its first occurrence in "
+          f"context, {c['nll_without_first']:.3f} without", flush=True)
+
     res["samples"] = [{"prompt": p, "continuation": generate(p, 48)} for p in SAMPLE_PROMPTS]
     for s in res["samples"]:
         print(f"--- {s['prompt']!r}\n{s['prompt']}{s['continuation']}", flush=True)
     return res
+
+
+def copy_benefit(model, tok, text: str, n: int = 100, passage: int = 64, gap: int = 300,
+                 seed: int = 7) -> dict:
+    """Mean loss on ``passage`` tokens of held-out text that come a second time, ``gap`` tokens
+    after their first occurrence, against the same with the first occurrence swapped for
+    another stretch of text: how much the model reads back from its context."""
+    import random
+
+    import torch
+    import torch.nn.functional as F
+
+    stream = tok.encode(text, add_special_tokens=False).ids
+    bos = tok.token_to_id(tdm.BOS)
+    rng = random.Random(seed)
+    sums = {"with": 0.0, "without": 0.0}
+    with torch.no_grad():
+        for _ in range(n):
+            s = rng.randrange(len(stream) - 2 * passage - gap)
+            a, g = stream[s:s + passage], stream[s + passage:s + passage + gap]
+            o = rng.randrange(len(stream) - passage)
+            for key, first in (("with", a), ("without", stream[o:o + passage])):
+                ids = torch.tensor([[bos] + first + g + a])
+                logits = model(input_ids=ids).logits[0, -passage - 1:-1]
+                sums[key] += F.cross_entropy(logits.float(), torch.tensor(a)).item()
+    return {"n": n, "passage_tokens": passage, "gap_tokens": gap,
+            "nll_with_first": sums["with"] / n, "nll_without_first": sums["without"] / n}
 
 
 def main(argv=None):
