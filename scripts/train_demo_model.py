@@ -442,16 +442,16 @@ def _encode(tok, text: str) -> list[int]:
 class RowSampler:
     """Packs rows of seq_len+1 tokens from (a) random windows of novel text,
     (b) recall documents (BOS ... EOS, see :func:`make_recall_training_doc`)
-    and (c) now and then a passage of novel text or of random tokens that is
-    repeated verbatim a little later (a dense copying signal that makes the
-    model learn to look back, which the recall task needs). Half of the novel windows start at a
+    and (c) now and then a passage of novel text that is repeated verbatim a
+    little later (a dense copying signal that makes the model learn to look
+    back, which the recall task needs). Half of the novel windows start at a
     paragraph with BOS: a user's prompt starts with BOS too, and if only
     recall documents did, the model would answer any prompt with facts.
     Returns (ids, answer_mask)."""
 
     def __init__(self, tok, train_text: str, seq_len: int, rng: random.Random,
                  recall_counts=(1, 2, 3, 4), recall_weights=(0.2, 0.3, 0.3, 0.2),
-                 filler_words=(20, 640), repeat_prob=0.5):
+                 filler_words=(20, 640), repeat_prob=0.3):
         self.tok, self.text, self.T, self.rng = tok, train_text, seq_len, rng
         self.bos, self.eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
         self.stream = _encode(tok, train_text)
@@ -478,20 +478,14 @@ class RowSampler:
         return ids, mask
 
     def _repeat(self, max_tokens: int):
-        # Half the time the repeated passage is random tokens: they can only be predicted by
-        # copying, the signal that grows induction heads (which recall needs) soonest; their
-        # second copy counts as answer tokens.
-        random_tokens = self.rng.random() < 0.5
-        n = self.rng.randint(10, 60) if random_tokens else self.rng.randint(30, 200)
+        n = self.rng.randint(30, 200)
         gap = self.rng.randint(0, 300)
         if 2 * n + gap > max_tokens:
             return None
-        if random_tokens:
-            a = [self.rng.randrange(3, self.tok.get_vocab_size()) for _ in range(n)]
-        else:
-            a, _ = self._corpus(n)
+        a, _ = self._corpus(n)
         g, _ = self._corpus(gap)
-        return a + g + a, [0] * (n + gap) + [int(random_tokens)] * n
+        ids = a + g + a
+        return ids, [0] * len(ids)
 
     def _corpus(self, n: int):
         if n == 0:
