@@ -188,11 +188,12 @@ def activation_allowance(spec: ModelSpec, context: int) -> int:
 # --- speed ----------------------------------------------------------------------------------
 
 def prefill_flops(spec: ModelSpec, tokens: int) -> float:
-    """2 x active params x tokens for the matmuls (lm_head for the last token only) plus causal
-    attention: QK^T and PV over the tokens each position attends to."""
+    """2 x active matrix params x tokens for the matmuls (lm_head for the last token only) plus
+    causal attention: QK^T and PV over the tokens each position attends to."""
     lm_head = 2 * spec.vocab_size * spec.hidden_size
-    embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    dense = 2 * (spec.active_params - embed) * tokens + lm_head
+    # the matrices every token multiplies by (MoE: routed experts only); the embedding is a lookup
+    per_token = sum(m.rows * m.cols * m.active for m in spec.matrices if m.name != "lm_head")
+    dense = 2 * per_token * tokens + lm_head
     attn = 0.0
     for layer in spec.layers:
         if not layer.has_kv:

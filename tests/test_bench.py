@@ -41,12 +41,12 @@ def test_parse_range():
 def test_generation_flops_adds_one_decode_step_per_token():
     spec = spec_from_config(llama_like(num_hidden_layers=4), "t")
     assert generation_flops(spec, 100, 1) == prefill_flops(spec, 100)
-    embed = spec.vocab_size * spec.hidden_size * 2  # untied: embeddings and LM head
-    layer = spec.layers[0]
+    # per layer: q, o 4096 x 4096; k, v 4096 x 1024; gate, up, down 4096 x 14336
+    layer_params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
     for p, n in ((100, 2), (37, 50)):
         context = p + n - 1  # the new step's query attends to every earlier token and itself
-        step = (2 * (spec.active_params - embed) + 2 * spec.vocab_size * spec.hidden_size
-                + spec.num_layers * 4 * layer.num_heads * layer.head_dim * context)  # QK^T, PV
+        step = (2 * 4 * layer_params + 2 * 32000 * 4096  # the layers' matmuls and the LM head
+                + 4 * 4 * 32 * 128 * context)  # 4 layers x (QK^T + PV) x heads x head_dim x keys
         assert generation_flops(spec, p, n) - generation_flops(spec, p, n - 1) == pytest.approx(step)
 
 

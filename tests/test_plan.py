@@ -104,8 +104,12 @@ def test_moe_decode_reads_only_routed_experts():
 def test_ttft_bound():
     spec = load_spec("llama-3.1-8b")
     p = make_plan(spec, PlanRequest(context=8192, gpu="h100-sxm"))
-    matmul = 2 * (spec.active_params - 2 * 128_256 * 4096) * 8192
-    assert p.prefill_flops > matmul
+    # Llama 3.1 8B: 8,030,261,248 parameters, of which embeddings and LM head 128,256 x 4,096
+    # each and RMSNorm weights (2 per layer and a final one) 65 x 4,096
+    layers = 8_030_261_248 - 2 * 128_256 * 4096 - 65 * 4096
+    matmul = 2 * layers * 8192 + 2 * 128_256 * 4096  # the LM head for the last token only
+    attention = 32 * 2 * 32 * 256 * 8192 * 8193 / 2  # layers x 2 x heads x (K+V dims) x pairs
+    assert p.prefill_flops == pytest.approx(matmul + attention)
     assert p.ttft_seconds == pytest.approx(p.prefill_flops / 989e12)
 
 
