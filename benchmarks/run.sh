@@ -19,7 +19,7 @@ run fp8          bench $M --num-requests 64 --input-len 64:512 --output-len 32:2
 if [ -n "${VLLM_PY:-}" ]; then
   peer() { local name=$1; shift; echo "== $name: vllm_peer.py $*"
     VLLM_CPU_OMP_THREADS_BIND=0-$(( ${THREADS:-2} - 1 )) PYTHONPATH=. "$VLLM_PY" benchmarks/vllm_peer.py \
-      qwen2.5-0.5b "$@" 2>/dev/null | tail -1 > "out/bench/$name.json"; }
+      qwen2.5-0.5b "$@" 2>/dev/null | grep "^{" > "out/bench/$name.json"; }
   peer vllm-throughput --num-requests 64 --input-len 64:512 --output-len 32:256
   peer vllm-batch1     --num-requests 1 --input-len 128 --output-len 128
 fi
