@@ -30,17 +30,15 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=parse_range, default=(64, 512))
     p.add_argument("--output-len", type=parse_range, default=(32, 256))
-    p.add_argument("--shared-prefix", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     args = p.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: kvlab's default CPU cache
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     config, _ = load_config(args.model)
-    work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed)
+    work = Workload(args.num_requests, args.input_len, args.output_len, seed=args.seed)
     reqs = work.requests(config["vocab_size"])
     with tempfile.TemporaryDirectory() as folder:  # vLLM wants a model folder: config only
         with open(os.path.join(folder, "config.json"), "w") as f:

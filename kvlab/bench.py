@@ -20,6 +20,7 @@ import torch
 from kvlab.engine.engine import LLMEngine
 from kvlab.engine.options import EngineOptions
 from kvlab.models.llama import CausalLM
+from kvlab.plan import generation_flops
 from kvlab.sampling import SamplingParams
 
 
@@ -127,8 +128,6 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     saves (added all at once, the first steps would compute the prefix for several requests
     and everyone would queue behind them). TTFT counts from each request's arrival.
     Returns the figures and each request's generated ids, in request order."""
-    from kvlab.plan import generation_flops
-
     engine = LLMEngine(model, None, options)
     reqs = work.requests(model.spec.vocab_size)
     staggered = work.shared_prefix > 0 if staggered is None else staggered

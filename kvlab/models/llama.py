@@ -329,8 +329,8 @@ class CausalLM(nn.Module):
     ``forward(input_ids [T], positions [T], attn, logits_indices [N] | None) -> logits [N, vocab]``.
     Only the rows at ``logits_indices`` go through the last layer's o_proj and MLP, the final
     norm and the LM head: during generation that is one row per sequence, never [T, vocab] for
-    a whole prompt (which for a 151,936-word vocabulary costs ~10x the KV cache). ``None`` returns every position (the
-    "naive" forward pass that ``measure`` compares against).
+    a whole prompt (which for a 151,936-word vocabulary costs ~10x the KV cache). ``None``
+    returns every position (the "naive" forward pass that ``measure`` compares against).
     """
 
     def __init__(self, spec: ModelSpec) -> None:
