@@ -13,6 +13,7 @@ to the attention backend (see ``attention.py``), so the paged engine reuses this
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any
@@ -87,15 +88,22 @@ def inv_frequencies(cfg: dict[str, Any], head_dim: int) -> Tensor:
 
 
 def _can_prepack(weight: Tensor) -> bool:
-    """oneDNN prepacking pays (and is bit-exact) for bf16 weights on a CPU with oneDNN."""
+    """oneDNN prepacking pays (and is bit-exact) for bf16 weights on a CPU with oneDNN's bf16
+    kernels (AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU oneDNN refuses to pack)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
+    return _onednn_bf16_packing()
+
+
+@functools.cache
+def _onednn_bf16_packing() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (older builds lack it)
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018
-    except (AttributeError, RuntimeError):
+        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), probe, None,
+                                           "none", [], "")
+    except (AttributeError, RuntimeError):  # older builds lack the ops; CPUs without bf16 kernels
         return False
     return True
 
