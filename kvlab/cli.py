@@ -14,8 +14,20 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    intermixed = False  # options may sit between positionals (`generate MODEL --json "prompt"`)
+    _mixing = False  # argparse's intermixed parsing calls parse_known_args itself
+
     def error(self, message: str):  # one line instead of usage + error
         raise UsageError(f"{self.prog}: {message}")
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self.intermixed or self._mixing:
+            return super().parse_known_args(args, namespace)
+        self._mixing = True
+        try:
+            return super().parse_known_intermixed_args(args, namespace)
+        finally:
+            self._mixing = False
 
 
 # --- plan / models -----------------------------------------------------------------------------
@@ -94,20 +106,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        from kvlab.models import loader
-
-        model = str(loader.DEMO_MODEL)
-        if not (loader.DEMO_MODEL / "config.json").is_file():
-            raise ValueError(f"no MODEL given and the bundled demo model is missing at {model}")
-    loaded = load(model, args.dtype, device=args.device, random_weights=args.random_weights,
+    loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights,
                   seed=args.seed or 0)
     tok = loaded.tokenizer
     if tok.is_fallback:
         print(f"note: {loaded.model.name} has no tokenizer: the prompt is encoded as UTF-8 bytes "
               f"(id = byte % vocab) and ids >= 256 print as <id>", file=sys.stderr)
-    gen = Generation(loaded.model, tok.encode(args.prompt), params, tok, use_cache=not args.no_cache)
+    if args.chat:
+        prompt_ids = loaded.chat_template.encode(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    gen = Generation(loaded.model, prompt_ids, params, tok, use_cache=not args.no_cache)
     for delta in gen:
         if not args.json:
             print(delta.text, end="", flush=True)
@@ -115,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert result is not None
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-                          "tokenizer": "byte fallback" if tok.is_fallback else "tokenizer.json",
+                          "tokenizer": tok.source, "chat": args.chat,
                           **result.as_dict()}))
     else:
         print()
@@ -137,10 +146,9 @@ def _int_list(text: str) -> list[int]:
 
 def cmd_measure(args: argparse.Namespace) -> int:
     from kvlab.measure import measure
-    from kvlab.models import load, loader
+    from kvlab.models import load
 
-    model = args.model or str(loader.DEMO_MODEL)
-    loaded = load(model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed)
+    loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed)
     log = (lambda msg: None) if args.json else (lambda msg: print(f"… {msg}", file=sys.stderr, flush=True))
     result = measure(loaded.model, args.contexts, args.new_tokens, args.prompt, progress=log)
     if args.plot:
@@ -182,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.engine.options import EngineOptions
-    from kvlab.models import load, loader
+    from kvlab.models import load
 
     if args.threads:
         import torch
@@ -190,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     options = EngineOptions.from_args(args)
     work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed)
-    loaded = load(args.model or str(loader.DEMO_MODEL), args.dtype, device=args.device,
+    loaded = load(args.model, args.dtype, device=args.device,
                   random_weights=args.random_weights, seed=args.seed)
     model = loaded.model
     with Progress(transient=True, disable=args.json) as bar:
@@ -232,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("plan", help="KV-cache memory, capacity and speed bounds for a model")
-    p.add_argument("model", help="catalogue name (llama-3.1-70b, Qwen/Qwen2.5-7B), config.json or checkpoint folder")
+    p.add_argument("model", help="catalogue or bundled name (llama-3.1-70b, Qwen/Qwen2.5-7B, smollm2-135m), "
+                   "config.json, checkpoint folder or GGUF file")
     p.add_argument("--context", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
     p.add_argument("--users", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--kv-dtype", default="bf16", help="fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4")
@@ -259,9 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint folder (default: the bundled demo model), or with --random-weights "
-                   "a catalogue name or config.json")
-    p.add_argument("prompt", help="the prompt text")
+                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
+                   "--random-weights a catalogue name or config.json")
+    p.intermixed = True
+    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template as one user message")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--temperature", type=_float_arg, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=_float_arg, default=1.0, help="nucleus sampling mass (default 1: off)")
@@ -280,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("measure", help="check the KV formula against the runtime's tensors and allocations")
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint folder (default: the bundled demo model), or with --random-weights a catalogue name")
+                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
+                   "--random-weights a catalogue name or config.json")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--seed", type=_int_arg, default=0)
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
@@ -304,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="throughput and latency of the paged engine on a seeded workload")
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint folder (default: the bundled demo model), or with --random-weights a catalogue name")
+                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
+                   "--random-weights a catalogue name or config.json")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
@@ -320,9 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("demo", help="kvlab's main job: the bundled model through the paged engine, "
+    p = sub.add_parser("demo", help="kvlab's main job: the default model through the paged engine, "
                        "with a cache small enough to preempt, beside the plan's prediction")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m)")
     p.add_argument("--max-tokens", type=positive_int, default=48)
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.set_defaults(func=cmd_demo)

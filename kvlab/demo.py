@@ -1,7 +1,7 @@
 """kvlab's main job on the bundled model: a short seeded workload through the paged engine.
 
-Several conversations share a long opening (as chats share a system prompt), and the cache is
-made small enough that the scheduler must preempt. The report puts what the engine did (blocks,
+Several chats share a system prompt (so their first blocks are computed once and then found in
+the prefix cache), and the cache is made small enough that the scheduler must preempt. The report puts what the engine did (blocks,
 tokens, prefix hits, preemptions, swaps) beside what `kvlab plan` predicts for the same settings.
 """
 
@@ -11,19 +11,27 @@ from dataclasses import dataclass
 
 from kvlab.engine.llm import LLM
 from kvlab.engine.options import EngineOptions
+from kvlab.models.loader import Loaded
 from kvlab.plan import PlanRequest, make_plan
 from kvlab.sampling import SamplingParams
 
-PREAMBLE = ("The following is a letter written in the country, in the spring of the year, by a young "
-            "lady to her dearest friend, who had lately gone to live in town with her aunt. ")
-OPENINGS = [
-    "My dear Jane, I have such news to tell you",
-    "It is a truth universally acknowledged that",
-    "Mr. Darcy called this morning, and",
-    "We walked to Meryton yesterday, where",
-    "Mama has been very ill, and",
-    "You will hardly believe what Lydia has done:",
+SYSTEM = ("You are a concise assistant for engineers who serve large language models. Answer "
+          "every question in one or two plain sentences, without lists.")
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is a KV cache in a transformer?",
+    "Why do language models generate text one token at a time?",
+    "What does a GPU do?",
+    "Name three planets of the solar system.",
+    "What is the boiling point of water?",
 ]
+
+
+def conversations(loaded: Loaded) -> list[list[int]]:
+    """Each question as a chat after the shared system prompt, through the model's template."""
+    return [loaded.chat_template.encode(loaded.tokenizer, [{"role": "system", "content": SYSTEM},
+                                                           {"role": "user", "content": q}])
+            for q in QUESTIONS]
 
 
 @dataclass
@@ -36,15 +44,14 @@ class DemoReport:
 
 def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 16,
              preemption: str = "swap-ram") -> DemoReport:
-    """Generate a continuation for each opening (greedy) with a cache that holds one whole
-    sequence and a little more, so the others wait, share the opening's blocks, and get
-    preempted as they grow; collect the cache report."""
+    """Answer each question (greedy) with a cache that holds one whole conversation and a little
+    more, so the others wait, share the system prompt's blocks, and get preempted as they grow;
+    collect the cache report."""
     from kvlab.models import load
-    from kvlab.models.loader import DEMO_MODEL
 
-    loaded = load(model or DEMO_MODEL)
-    prompts = [PREAMBLE + o for o in OPENINGS]
-    longest = max(len(loaded.tokenizer.encode(p)) for p in prompts) + max_tokens
+    loaded = load(model)
+    prompts = conversations(loaded)
+    longest = max(len(p) for p in prompts) + max_tokens
     blocks = -(-longest // block_size) + 3
     spec = loaded.model.spec
     options = EngineOptions(kv_memory=blocks * block_size * spec.kv_bytes_per_token("bf16"),
@@ -58,7 +65,7 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
                                        kv_memory=options.kv_memory, block_size=block_size,
                                        max_model_len=longest))
     return DemoReport(
-        texts=[(o, out.text) for o, out in zip(OPENINGS, outs)],
+        texts=[(q, out.text) for q, out in zip(QUESTIONS, outs)],
         options=options,
         metrics=vars(llm.metrics()) | {"kv_cache_bytes": cap.bytes},
         predicted={"kv_cache_blocks": plan.kv_cache_blocks, "kv_cache_tokens": plan.kv_cache_tokens,

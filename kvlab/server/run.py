@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # keep torch out of flag parsing
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint folder (default: the bundled demo model), or with --random-weights "
-                   "a catalogue name or config.json")
+                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or "
+                   "with --random-weights a catalogue name or config.json")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -42,18 +42,12 @@ def build_bridge(model: str | Path | None, options: EngineOptions | None = None,
                  served_model_name: str | None = None) -> EngineBridge:
     """Load the model, allocate the paged cache, and wrap the engine for the app."""
     from kvlab.engine.llm import LLM
-    from kvlab.models import load, loader
+    from kvlab.models import load
     from kvlab.server.bridge import EngineBridge
-    from kvlab.server.chat import ChatTemplate
 
-    if model is None:
-        model = loader.DEMO_MODEL
-        if not (loader.DEMO_MODEL / "config.json").is_file():
-            raise ValueError(f"no MODEL given and the bundled demo model is missing at {model}")
     loaded = load(model, dtype, device=device, random_weights=random_weights, seed=seed)
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, **asdict(options or EngineOptions()))
-    return EngineBridge(llm.engine, served_model_name or loaded.model.name,
-                        ChatTemplate.from_checkpoint(loaded.path))
+    return EngineBridge(llm.engine, served_model_name or loaded.model.name, loaded.chat_template)
 
 
 def serve(args: argparse.Namespace) -> int:

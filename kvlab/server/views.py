@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from kvlab.catalog import find
 from kvlab.generate import Generation
 from kvlab.models import CausalLM
-from kvlab.models.loader import TextTokenizer
+from kvlab.models.tokenizer import TextTokenizer
 from kvlab.plan import Plan, PlanRequest, make_plan
 from kvlab.sampling import SamplingParams
 from kvlab.server.errors import APIError

@@ -1,0 +1,319 @@
+"""GGUF files (llama.cpp's checkpoint format): config, weights, tokenizer and chat template.
+
+One file holds everything a Hugging Face folder spreads over config.json, *.safetensors,
+tokenizer.json and tokenizer_config.json. llama.cpp's own reader (the ``gguf`` package) parses
+it and dequantises every quantisation type; this module only translates names:
+
+- metadata ``{arch}.block_count``, ``{arch}.attention.head_count``... become a config.json dict,
+  so the planner, the runtime and the engine read a GGUF model through the same ModelSpec;
+- tensors ``blk.N.attn_q.weight``... become the runtime's Hugging Face names, dequantised to
+  float32 one tensor at a time (the caller converts each to the run dtype before the next is
+  read, so the model is never held twice), with llama.cpp's Q/K row permutation undone;
+- ``tokenizer.ggml.*`` becomes a ``tokenizers.Tokenizer`` (byte-level BPE).
+
+Nothing here imports torch: ``kvlab plan FILE.gguf`` stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property, lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.spec import ConfigError, StoredWeights
+
+MAGIC = b"GGUF"
+
+# GGUF architecture -> (config.json model_type, HF architecture class). Mistral-style models are
+# converted to "llama" by llama.cpp; Qwen2/3 keep their names.
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# Per-layer tensors: GGUF name -> runtime (HF) name under model.layers.N.
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+
+# Pre-tokenizer regexes per ``tokenizer.ggml.pre``, as llama.cpp defines them (llama-vocab.cpp).
+# "gpt2"-style names need no Split: the ByteLevel pre-tokenizer applies GPT-2's own regex.
+_GPT2_STYLE = {"default", "gpt2", "gpt-2"}
+_DIGITS_THEN_GPT2 = {"smollm"}  # every digit alone, then GPT-2's regex (SmolLM's tokenizer.json)
+_SPLITS = {
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+_SPLITS["llama3"] = _SPLITS["llama-v3"] = _SPLITS["llama-bpe"]
+PRE_TOKENIZERS = sorted(_GPT2_STYLE | _DIGITS_THEN_GPT2 | set(_SPLITS))
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file that starts with the GGUF magic (the suffix alone proves nothing)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+@lru_cache(maxsize=1)
+def _reader_class(gguf):
+    class Reader(gguf.GGUFReader):
+        """gguf's reader over a plain ndarray view of the mapped file: the same bytes, but slicing
+        skips np.memmap's per-slice bookkeeping, which made parsing a 49k-word vocabulary take
+        5.4 s instead of 2.0 s here."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if isinstance(self.data, np.memmap):
+                self.data = self.data.view(np.ndarray)  # keeps the mapping alive through .base
+            return super()._get(offset, dtype, count, override_order)
+
+    return Reader
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file, opened once per process while it stays unchanged (reading the metadata of a
+    49k-token vocabulary takes seconds)."""
+    p = Path(path).expanduser().resolve()
+    if not p.is_file():
+        return GGUFFile(p)  # raises the one-line error
+    st = p.stat()
+    return _open_cached(p, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of Q/K rows for its interleaved RoPE.
+
+    llama.cpp's converter regroups each head's rows from Hugging Face's halves layout
+    (x0..x31 | x32..x63, rotated as pairs (i, i+32)) into adjacent pairs (x0, x32, x1, x33...);
+    the runtime rotates halves, so the rows go back: per head, [pairs][2] -> [2][pairs].
+    """
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """One GGUF checkpoint, opened lazily (memory-mapped by the gguf package)."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf  # llama.cpp's reader; imported here so the rest of kvlab loads without it
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ConfigError(f"{self.path}: no such file")
+        if not is_gguf(self.path):
+            raise ConfigError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
+        try:
+            self.reader = _reader_class(gguf)(str(self.path))
+        except (ValueError, KeyError, IndexError, OSError) as e:
+            raise ConfigError(f"{self.path}: unreadable GGUF file (truncated or corrupt: {e})") from None
+        size = self.path.stat().st_size
+        end = max((t.data_offset + int(t.n_bytes) for t in self.reader.tensors), default=0)
+        if end > size:
+            raise ConfigError(f"{self.path}: truncated GGUF file: tensors end at byte {end:,}, the "
+                              f"file has {size:,}")
+        self._gguf = gguf
+
+    # --- metadata ---------------------------------------------------------------------------------
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def strings(self, key: str) -> list[str]:
+        """A string array (vocabulary, merges) without the per-item overhead of ``contents()``."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return []
+        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+
+    def ints(self, key: str) -> list[int]:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return []
+        return [int(field.parts[i][0]) for i in field.data]
+
+    @cached_property
+    def architecture(self) -> str:
+        arch = self.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
+        return arch
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def _arch(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.architecture}.{key}", default)
+
+    def _require(self, key: str) -> Any:
+        value = self._arch(key)
+        if value is None:
+            raise ConfigError(f"{self.path.name}: GGUF metadata lacks {self.architecture}.{key}")
+        return value
+
+    def config(self) -> dict[str, Any]:
+        """The model's hyper-parameters as a Hugging Face config.json dict."""
+        arch = self.architecture
+        model_type, hf_class = ARCHITECTURES[arch]
+        tensors = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in tensors:
+            raise ConfigError(f"{self.path.name}: per-dimension RoPE factors (rope_freqs, Llama 3.1-style "
+                              f"scaling in GGUF) are not supported yet")
+        heads = int(self._require("attention.head_count"))
+        hidden = int(self._require("embedding_length"))
+        ffn = self._require("feed_forward_length")
+        if not isinstance(ffn, int):
+            raise ConfigError(f"{self.path.name}: per-layer feed_forward_length is not supported")
+        vocab = self._arch("vocab_size") or len(self.reader.fields.get("tokenizer.ggml.tokens").data)
+        cfg: dict[str, Any] = {
+            "architectures": [hf_class],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "intermediate_size": int(ffn),
+            "num_hidden_layers": int(self._require("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._arch("attention.head_count_kv", heads)),
+            "head_dim": int(self._arch("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self._require("context_length")),
+            # stored as float32: its shortest spelling (1e-05, not 9.999999747378752e-06)
+            "rms_norm_eps": float(str(np.float32(self._arch("attention.layer_norm_rms_epsilon", 1e-6)))),
+            "rope_theta": float(self._arch("rope.freq_base", 10000.0)),
+            "vocab_size": int(vocab),
+            "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in tensors,
+            "attention_bias": "blk.0.attn_q.bias" in tensors and model_type == "llama",
+            "torch_dtype": "bfloat16",
+        }
+        scaling = self._arch("rope.scaling.type")
+        if scaling not in (None, "none"):
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(self._arch("rope.scaling.factor", 1.0))}
+        window = self._arch("attention.sliding_window")
+        if window:
+            cfg["sliding_window"] = int(window)
+        for key in ("bos_token_id", "eos_token_id"):
+            value = self.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                cfg[key] = int(value)
+        return cfg
+
+    @cached_property
+    def stored_weights(self) -> StoredWeights:
+        formats: dict[str, int] = {}
+        for t in self.reader.tensors:
+            formats[t.tensor_type.name] = formats.get(t.tensor_type.name, 0) + 1
+        return StoredWeights(sum(int(t.n_bytes) for t in self.reader.tensors), formats)
+
+    # --- tensors ----------------------------------------------------------------------------------
+    def runtime_name(self, name: str) -> str | None:
+        """The runtime's name for a GGUF tensor name (None for tensors the runtime has no use for)."""
+        stem, _, kind = name.rpartition(".")
+        if stem.startswith("blk."):
+            _, idx, part = stem.split(".", 2)
+            target = _LAYER_TENSORS.get(part)
+            return f"model.layers.{idx}.{target}.{kind}" if target else None
+        target = _GLOBAL_TENSORS.get(stem)
+        return f"{target}.{kind}" if target else None
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(runtime name, float32 array in Hugging Face's [out, in] layout), one at a time."""
+        cfg = self.config()
+        permute = self.architecture == "llama"  # qwen2/qwen3 GGUFs keep HF's row order
+        for t in self.reader.tensors:
+            name = self.runtime_name(t.name)
+            if name is None:
+                raise ConfigError(f"{self.path.name}: unexpected tensor {t.name} for a "
+                                  f"{self.architecture} model")
+            try:
+                data = self._gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ConfigError(f"{self.path.name}: {t.name}: {e}") from None
+            data = np.asarray(data, dtype=np.float32)
+            if not data.flags.writeable:  # an F32 tensor is a read-only view of the mapped file
+                data = data.copy()
+            if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                data = unpermute_rope_rows(data, cfg["num_attention_heads"])
+            elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                data = unpermute_rope_rows(data, cfg["num_key_value_heads"])
+            yield name, data
+
+    # --- tokenizer --------------------------------------------------------------------------------
+    def tokenizer(self):  # -> tokenizers.Tokenizer (import kept local: tokenizers is optional here)
+        """The file's vocabulary as a ``tokenizers`` Tokenizer: byte-level BPE with the file's
+        merges, llama.cpp's pre-tokenizer for ``tokenizer.ggml.pre``, control tokens as special
+        tokens, BOS/EOS added as ``add_bos_token`` / ``add_eos_token`` say."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        kind = self.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ConfigError(f"{self.path.name}: tokenizer model {kind!r} is not supported (byte-level "
+                              f"BPE, 'gpt2', only)")
+        pre = self.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ConfigError(f"{self.path.name}: pre-tokenizer {pre!r} is not supported; supported: "
+                              f"{', '.join(PRE_TOKENIZERS)}")
+        tokens = self.strings("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in self.strings("tokenizer.ggml.merges")]
+        types = self.ints("tokenizer.ggml.token_type") or [1] * len(tokens)
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+        if pre in _SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
+        elif pre in _DIGITS_THEN_GPT2:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        add_bos = bool(self.get("tokenizer.ggml.add_bos_token", False)) and self.special_token("bos")
+        add_eos = bool(self.get("tokenizer.ggml.add_eos_token", False)) and self.special_token("eos")
+        if add_bos or add_eos:
+            marks = [(self.special_token(k), int(self.get(f"tokenizer.ggml.{k}_token_id")))
+                     for k, on in (("bos", add_bos), ("eos", add_eos)) if on]
+            single = ([marks[0][0]] if add_bos else []) + ["$A"] + ([marks[-1][0]] if add_eos else [])
+            tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=marks)
+        return tok
+
+    def special_token(self, key: str) -> str:
+        """The text of a special token (``bos``, ``eos``) or '' if the file names none."""
+        idx = self.get(f"tokenizer.ggml.{key}_token_id")
+        field = self.reader.fields.get("tokenizer.ggml.tokens")
+        if idx is None or field is None or not 0 <= int(idx) < len(field.data):
+            return ""
+        return bytes(field.parts[field.data[int(idx)]]).decode("utf-8", errors="replace")
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.get("tokenizer.chat_template")
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS and end-of-turn ids: generation stops at either."""
+        ids = [self.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
