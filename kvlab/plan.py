@@ -78,6 +78,8 @@ class Plan:
     layer_breakdown: list[dict]
     # memory
     weights_bytes: int
+    stored_weights_bytes: int | None  # what the checkpoint file holds (GGUF: quantised tensors)
+    stored_weights_formats: str | None
     num_params: int
     active_params: int
     logits_bytes_all_positions: int
@@ -357,7 +359,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         kv_bytes_per_token=per_token, kv_bytes_per_sequence=per_seq, kv_bytes_total=per_seq * B,
         kv_bytes_per_gpu=per_seq_gpu, kv_bytes_per_token_without_gqa=without_gqa,
         kv_fixed_bytes=kv_fixed, kv_layout=kvd.layout, layer_breakdown=list(breakdown.values()),
-        weights_bytes=w_bytes, num_params=spec.num_params, active_params=spec.active_params,
+        weights_bytes=w_bytes,
+        stored_weights_bytes=spec.stored_weights.bytes if spec.stored_weights else None,
+        stored_weights_formats=spec.stored_weights.describe() if spec.stored_weights else None,
+        num_params=spec.num_params, active_params=spec.active_params,
         logits_bytes_all_positions=logits_all, logits_bytes_last_only=logits_last,
         activation_allowance_bytes=act, runtime_overhead_bytes=runtime,
         gpu_memory_bytes=mem, usable_bytes_per_gpu=usable, kv_budget_bytes_per_gpu=budget,

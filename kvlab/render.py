@@ -48,7 +48,11 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
 
     t = _table("Memory")
     t.add_row("weights", fmt_bytes(p.weights_bytes),
-              f"{p.num_params / 1e9:,.2f} B params ({p.active_params / 1e9:,.2f} B active per token)")
+              f"{p.num_params / 1e9:,.2f} B params ({p.active_params / 1e9:,.2f} B active per token), "
+              f"linear layers in {p.weights_dtype}")
+    if p.stored_weights_bytes is not None:
+        t.add_row("weights as stored in the file", fmt_bytes(p.stored_weights_bytes),
+                  f"{p.stored_weights_formats}; the runtime dequantises to 16-bit as it loads")
     t.add_row("logits, all prompt positions", fmt_bytes(p.logits_bytes_all_positions),
               f"{p.logits_bytes_all_positions / max(1, p.kv_bytes_per_sequence):.1f}x this sequence's KV")
     t.add_row("logits, last position only", fmt_bytes(p.logits_bytes_last_only), "what generation needs")
