@@ -17,10 +17,15 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 sync_api = pytest.importorskip("playwright.sync_api")
-if not CHROMIUM.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError("CI needs Debian's chromium at /usr/bin/chromium (make setup installs it)")
-    pytest.skip("no /usr/bin/chromium (`make setup` installs it)", allow_module_level=True)
+if os.environ.get("CI"):  # CI always runs the browser tests, opt-out or not
+    if not CHROMIUM.exists():
+        raise RuntimeError("CI needs Debian's chromium at /usr/bin/chromium (`make test` installs it)")
+elif os.environ.get("KVLAB_NO_BROWSER"):
+    pytest.skip("browser tests skipped: Chromium opted out (make test NO_BROWSER=1); CI runs them",
+                allow_module_level=True)
+elif not CHROMIUM.exists():
+    pytest.skip("browser tests skipped: no /usr/bin/chromium (`make test` installs it with apt-get)",
+                allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
