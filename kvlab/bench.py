@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvlab.engine.engine import LLMEngine
+from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
 from kvlab.engine.options import EngineOptions
 from kvlab.models.llama import CausalLM
 from kvlab.plan import generation_flops
@@ -69,6 +69,7 @@ def percentile(values: list[float], q: float) -> float:
 @dataclass
 class BenchResult:
     model: str
+    dtype: str  # the model's (fp32, bf16, fp16): 16-bit greedy outputs may differ from a peer's
     num_requests: int
     output_tokens: int
     seconds: float
@@ -182,7 +183,8 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     after = ttfts[1:]
     single = len(reqs) == 1 and tokens > 1
     result = BenchResult(
-        model=model.name, num_requests=len(reqs), output_tokens=tokens, seconds=seconds,
+        model=model.name, dtype=MODEL_KV_DTYPE[model.dtype], num_requests=len(reqs), output_tokens=tokens,
+        seconds=seconds,
         output_tokens_per_s=tokens / seconds, ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99), ttft_mean_s=statistics.fmean(ttfts),
         itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),

@@ -53,11 +53,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from kvlab.catalog import entries, load_spec
-    from kvlab.units import fmt_bytes
 
     rows = []
     for entry in entries().values():
@@ -68,14 +64,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    table = Table(title="kvlab catalogue (KV bytes per token at 16-bit)")
-    for col in ("alias", "Hugging Face id", "type", "layers", "params", "KV / token"):
-        table.add_column(col, justify="right" if col in ("params", "KV / token") else "left")
-    for r in rows:
-        kinds = ", ".join(f"{n} {k}" for k, n in r["layers"].items())
-        table.add_row(r["alias"], r["id"], r["model_type"], kinds, f"{r['params'] / 1e9:,.2f} B",
-                      fmt_bytes(r["kv_bytes_per_token"]))
-    Console().print(table)
+    from kvlab.render import print_models
+
+    print_models(rows)
     return 0
 
 
@@ -263,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list the built-in model catalogue")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")
@@ -295,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
                    "--random-weights a catalogue name or config.json")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
-    p.add_argument("--seed", type=_int_arg, default=0)
+    p.add_argument("--seed", type=_int_arg, default=0,
+                   help="seed of --random-weights (default 0); the measured prompts are fixed")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--contexts", type=_int_list, default=[128, 256, 512, 1024],
@@ -322,11 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
-    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--num-requests", type=positive_int, default=64,
+                   help="requests in the workload, all submitted at once (default 64)")
     p.add_argument("--input-len", type=_length_range, default=(64, 512), help="prompt tokens, A:B (default 64:512)")
     p.add_argument("--output-len", type=_length_range, default=(32, 256), help="new tokens, C:D (default 32:256)")
     p.add_argument("--shared-prefix", type=_int_arg, default=0, help="tokens every prompt starts with")
-    p.add_argument("--seed", type=_int_arg, default=0)
+    p.add_argument("--seed", type=_int_arg, default=0,
+                   help="seed of the workload (prompt tokens and lengths) and of --random-weights (default 0)")
     p.add_argument("--compare", choices=["hf"], help="also run the requests through transformers")
     p.add_argument("--hf-batch-size", type=positive_int, default=8, help="static batch size for --compare hf")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
@@ -338,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "with a cache small enough to preempt, beside the plan's prediction")
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m)")
-    p.add_argument("--max-tokens", type=positive_int, default=48)
+    p.add_argument("--max-tokens", type=positive_int, default=48,
+                   help="new tokens per answer at most (default 48); the cache is sized from it")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from kvlab.plan import Plan
-from kvlab.units import fmt_bytes, fmt_flops, fmt_seconds
+from kvlab.units import fmt_bytes, fmt_count, fmt_flops, fmt_iec, fmt_seconds
 
 if TYPE_CHECKING:
     from kvlab.bench import BenchResult
@@ -90,6 +91,39 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(f"[yellow]note:[/] {note}")
 
 
+def print_models(rows: list[dict], console: Console | None = None) -> None:
+    """The catalogue, one model per two lines: the short name and the Hugging Face id each on its
+    own line and never cut, since either is what the user types next (any width from 80 up)."""
+    c = console or Console()
+    t = Table(title="kvlab catalogue: plan any of these by either name (KV per token at 16-bit)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("name / Hugging Face id", no_wrap=True)
+    t.add_column("params", justify="right", no_wrap=True)
+    t.add_column("KV / token", justify="right", no_wrap=True)
+    t.add_column("layers")
+    for r in rows:
+        kinds = ", ".join(f"{n} {k}" for k, n in r["layers"].items())
+        t.add_row(f"[bold]{r['alias']}[/]\n{r['id']}", fmt_count(r["params"]), fmt_iec(r["kv_bytes_per_token"]),
+                  f"{r['model_type']}: {kinds}")
+    c.print(t)
+
+
+def differing_outputs_note(same: int, total: int, dtype: str, what: str) -> str | None:
+    """Why two runs that should agree token for token may not, said where the count appears.
+
+    Both runs compute the same logits, but they add the same numbers in a different order (one
+    new token against the cache vs the whole sequence; paged vs padded batches); in 16 bits the
+    rounding of that order can swap two near-tied candidates, and one swapped token changes all
+    that follows. In fp32 the margin dwarfs the rounding, so the outputs agree."""
+    if same >= total:
+        return None
+    if dtype in ("bf16", "fp16"):
+        return (f"{same}/{total} identical {what} is expected in {dtype}, not a bug: the two runs add the "
+                f"same numbers in a different order, 16-bit rounding can swap two near-tied tokens, and "
+                f"one swap changes everything after it. Check with --dtype fp32: identical.")
+    return f"{same}/{total} identical {what} in {dtype}: unexpected at this precision, please report it"
+
+
 def print_measurement(m: Measurement, console: Console | None = None) -> None:
     c = console or Console(width=max(Console().width, 110))
     k = m.count
@@ -123,6 +157,11 @@ def print_measurement(m: Measurement, console: Console | None = None) -> None:
         ct.add_row(str(r.new_tokens), fmt_seconds(r.seconds_with_cache), fmt_seconds(r.seconds_without_cache),
                    f"{r.time_ratio:.2f}x", f"{r.work_ratio:.1f}x", f"{r.identical_tokens}/{r.new_tokens}")
     c.print(ct)
+    worst = min(m.cache_vs_no_cache, key=lambda r: r.identical_tokens / r.new_tokens)
+    note = differing_outputs_note(worst.identical_tokens, worst.new_tokens, m.dtype,
+                                  "tokens with and without the cache")
+    if note:
+        c.print(f"[yellow]note:[/] {note}")
 
 
 def print_bench(r: BenchResult, console: Console | None = None) -> None:
@@ -153,7 +192,12 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t.add_row("prefix cache hits", f"{r.prefix_hit_rate:.1%}", f"{r.prefix_hits:,} of {r.prefix_queries:,} prompt tokens")
     t.add_row("preemptions", f"{r.preemptions}", "")
     c.print(t)
-    for note in r.notes:
+    notes = list(r.notes)
+    if r.hf_identical_requests is not None:
+        why = differing_outputs_note(r.hf_identical_requests, r.num_requests, r.dtype,
+                                     "greedy outputs (kvlab vs transformers)")
+        notes += [why] if why else []
+    for note in notes:
         c.print(f"[yellow]note:[/] {note}")
 
 

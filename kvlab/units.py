@@ -31,6 +31,23 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n / 1e9:,.2f} GB ({n / 2**30:,.2f} GiB)"
 
 
+def fmt_iec(n: float) -> str:
+    """One binary unit, for tables where columns must stay narrow: '22.5 KiB', '512 B'."""
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    """Parameters and other large counts in the unit that keeps digits: '135 M', '1.7 B', '671 B'."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:,.1f} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+    return f"{n:,.0f}"
+
+
 def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.2f} s"
 
