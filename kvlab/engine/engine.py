@@ -15,8 +15,8 @@ from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.runner import ModelRunner
-from kvlab.engine.scheduler import Scheduler
-from kvlab.engine.sequence import Sequence
+from kvlab.engine.scheduler import Scheduler, SchedulerOutput
+from kvlab.engine.sequence import Sequence, SeqStatus
 from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups
 from kvlab.generate import IncrementalDetokenizer
 from kvlab.models.llama import CausalLM
@@ -41,10 +41,11 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # stop | length | abort
+    finish_reason: str | None  # stop | length | abort | error
     ttft_s: float | None  # from add_request to the first token
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -63,6 +64,7 @@ class EngineMetrics:
     preemptions: int
     swapped_out_blocks: int
     swapped_in_blocks: int
+    swap_fallbacks: int  # swap-outs the host pool could not take (disk full): recomputed instead
     running: int
     waiting: int
     swapped: int
@@ -139,6 +141,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
+        self.swap_fallbacks = 0
         c = self.capacity
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %s (%s, %d layer group%s); "
                  "max concurrency at %d tokens: %.2fx", blocks, c.block_size, c.tokens,
@@ -148,7 +151,8 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request; ValueError now (not later) if it can never run."""
+        """Queue a request; ValueError now (not later) if it can never run. All or nothing: every
+        check runs before the scheduler takes the request, so a refused one leaves no trace."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids")
@@ -164,14 +168,14 @@ class LLMEngine:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         seq = Sequence(request_id, ids, params.max_tokens, cache_salt)
-        self.scheduler.add(seq)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.model.eos_token_ids)
-        self.requests[request_id] = _Request(
-            seq, params, Sampler(params, self.model.device), frozenset(stop_ids),
-            IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
-            StopStringMatcher(params.stop), time.perf_counter())
+        req = _Request(seq, params, Sampler(params, self.model.device), frozenset(stop_ids),
+                       IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
+                       StopStringMatcher(params.stop), time.perf_counter())
+        self.scheduler.add(seq)  # its admission check is the last one; nothing can fail after it
+        self.requests[request_id] = req
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput:
@@ -185,23 +189,69 @@ class LLMEngine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass over the scheduled tokens; an output per request that got a token."""
+        """One forward pass over the scheduled tokens; an output per request that got a token.
+
+        A failure in one request's own work (sampling, detokenising, stop rules) ends that
+        request with finish_reason "error" and leaves the batch alone; a failure of the step
+        itself (the forward pass) raises."""
         out = self.scheduler.schedule()
         if not out.chunks and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler made no progress with requests pending")
+        self._copy_blocks(out)
         logits = self.runner.execute(out)
         seqs = [c.seq for c in out.chunks if c.samples]
         tokens = self._sample(seqs, logits)
-        self.scheduler.update(out, {s.request_id: t for s, t in zip(seqs, tokens)})
+        outputs = [self._fail(self.requests[s.request_id], t) for s, t in zip(seqs, tokens)
+                   if isinstance(t, Exception)]
+        sampled = {s.request_id: t for s, t in zip(seqs, tokens) if isinstance(t, int)}
+        out.chunks = [c for c in out.chunks if not c.samples or c.seq.request_id in sampled]
+        self.scheduler.update(out, sampled)
         now = time.perf_counter()
-        return [self._advance(self.requests[s.request_id], t, now) for s, t in zip(seqs, tokens)]
+        for rid, token in sampled.items():
+            req = self.requests[rid]
+            try:
+                outputs.append(self._advance(req, token, now))
+            except Exception as e:
+                outputs.append(self._fail(req, e))
+        return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _copy_blocks(self, out: SchedulerOutput) -> None:
+        """Run the step's swap copies. Swap-outs the host pool cannot take (the swap file's disk
+        is full or turned read-only) become recomputes: those sequences keep their tokens and
+        compute their K/V again, so nothing is lost but time."""
+        try:
+            self.cache.swap_out(out.swap_out)
+        except OSError as e:
+            victims = [s for s in out.preempted if s.status is SeqStatus.SWAPPED]
+            for seq in victims:
+                self.scheduler.recompute(seq)
+            self.swap_fallbacks += len(victims)
+            log.warning("swap-out failed (%s): %d preempted request(s) will recompute", e, len(victims))
+        self.cache.swap_in(out.swap_in)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """One token per sequence, or the exception its own sampler raised."""
         reqs = [self.requests[s.request_id] for s in seqs]
         # max(-1).indices: argmax's first-maximum rule, 3-4x faster than argmax on bf16 CPU rows
         greedy = logits.max(-1).indices.tolist() if any(r.params.greedy for r in reqs) else []
-        return [greedy[i] if r.params.greedy else int(r.sampler(logits[i:i + 1])[0])
-                for i, r in enumerate(reqs)]
+        tokens: list[int | Exception] = []
+        for i, r in enumerate(reqs):
+            try:
+                tokens.append(greedy[i] if r.params.greedy else int(r.sampler(logits[i:i + 1])[0]))
+            except Exception as e:
+                tokens.append(e)
+        return tokens
+
+    def _fail(self, req: _Request, error: Exception) -> RequestOutput:
+        """End a request whose own work raised; its blocks are freed like an abort's."""
+        rid = req.seq.request_id
+        log.error("request %s failed: %s: %s", rid, type(error).__name__, error)
+        self.requests.pop(rid, None)
+        if rid in self.scheduler.requests:
+            self.scheduler.finish(rid)
+        out = self._output(req, [], "", "error")
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _advance(self, req: _Request, token: int, now: float) -> RequestOutput:
         """The plain loop's stop rules: stop ids, then stop strings, then length."""
@@ -243,7 +293,7 @@ class LLMEngine:
             kv_usage=kv.usage, prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
             swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
-            running=len(s.running), waiting=s.num_waiting, swapped=s.num_swapped)
+            swap_fallbacks=self.swap_fallbacks, running=len(s.running), waiting=s.num_waiting, swapped=s.num_swapped)
 
     def block_map(self) -> dict:
         """A snapshot of the block pools for drawing: per layer group one letter per block (f

@@ -13,10 +13,16 @@ Formats (``kvlab.dtypes``):
 - int8: q8_0 style, one fp16 scale per 32 elements of each head vector.
 Each layer's bytes per slot equal ``LayerSpec.kv_bytes_per_token`` for that format, so the cache
 holds exactly what ``kvlab plan`` prints.
+
+The disk host pool is a file written and read with pwrite / pread (``SwapFile``), not a memory
+map: when the disk fills up or the file system turns read-only, a write fails with an OSError the
+engine recovers from (the sequence recomputes instead), where a store into a map would kill the
+process with SIGBUS.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from typing import Literal
@@ -68,8 +74,8 @@ class PagedKVCache:
             self.blocks[i] = tensors
             if self.format.name.startswith("fp8"):
                 self.scales[i] = torch.zeros(2, dtype=torch.float32, device=device)
-        self.host: dict[int, list[Tensor]] = {}
-        self._host_storage: Tensor | None = None
+        self.host: dict[int, list[Tensor]] = {}  # the RAM host pool: views of one buffer
+        self.swap_file: SwapFile | None = None  # the disk host pool
 
     @property
     def nbytes(self) -> int:
@@ -119,19 +125,12 @@ class PagedKVCache:
     # --- swapping ------------------------------------------------------------------------------
     def attach_host_pool(self, num_blocks: int, where: Literal["ram", "disk"]) -> None:
         """Allocate the host pool: the same block tensors with `num_blocks` blocks, in RAM or in a
-        memory-mapped file (created in the temp directory and unlinked at once: it disappears
-        with the process)."""
-        sizes = [t[:, 0].numel() * t.element_size() * num_blocks for ts in self.blocks.values() for t in ts]
-        total = sum(-(-s // 64) * 64 for s in sizes)  # 64-byte aligned slices
+        file in the temp directory (``SwapFile``)."""
         if where == "disk":
-            fd, path = tempfile.mkstemp(prefix="kvlab-swap-", suffix=".bin")
-            os.close(fd)
-            try:
-                storage = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-            finally:
-                os.unlink(path)
-        else:
-            storage = torch.zeros(total, dtype=torch.uint8)
+            self.swap_file = SwapFile(self.blocks, num_blocks)
+            return
+        sizes = [t[:, 0].numel() * t.element_size() * num_blocks for ts in self.blocks.values() for t in ts]
+        storage = torch.zeros(sum(-(-s // 64) * 64 for s in sizes), dtype=torch.uint8)  # 64-byte aligned slices
         offset = 0
         for layer, tensors in self.blocks.items():
             views = []
@@ -141,14 +140,24 @@ class PagedKVCache:
                                                                             *t.shape[2:]))
                 offset += -(-n // 64) * 64
             self.host[layer] = views
-        self._host_storage = storage
 
     def swap_out(self, copies: BlockCopies) -> None:
-        """Copy (device block, host block) pairs, per group, to the host pool."""
+        """Copy (device block, host block) pairs, per group, to the host pool. OSError if the
+        swap file cannot be written (then the host copies are incomplete: do not swap them in)."""
+        if self.swap_file is not None:
+            for group, pairs in zip(self.groups, copies):
+                if pairs:
+                    self.swap_file.write_blocks(self.blocks, group.layers, pairs)
+            return
         self._copy(copies, self.blocks, self.host)
 
     def swap_in(self, copies: BlockCopies) -> None:
         """Copy (host block, device block) pairs, per group, back to the device."""
+        if self.swap_file is not None:
+            for group, pairs in zip(self.groups, copies):
+                if pairs:
+                    self.swap_file.read_blocks(self.blocks, group.layers, pairs)
+            return
         self._copy(copies, self.host, self.blocks)
 
     def _copy(self, copies: BlockCopies, src: dict[int, list[Tensor]],
@@ -161,6 +170,65 @@ class PagedKVCache:
             for layer in group.layers:
                 for s, d in zip(src[layer], dst[layer]):  # blocks are dim 1
                     d[:, b.to(d.device)] = s[:, a.to(s.device)].to(d.device)
+
+
+class SwapFile:
+    """The disk host pool: per layer tensor a region of one temporary file, block by block (one
+    block of one tensor = all its heads' rows, contiguous), so a block moves in one pwrite.
+
+    The file is unlinked as soon as it is created (it disappears with the process, whatever way
+    the process ends) and sparse: it takes disk space only as blocks are written, so a disk that
+    fills up mid-run shows as an OSError (ENOSPC) from ``write``, which the engine survives."""
+
+    def __init__(self, blocks: dict[int, list[Tensor]], num_blocks: int) -> None:
+        fd, path = tempfile.mkstemp(prefix="kvlab-swap-", suffix=".bin")
+        os.unlink(path)
+        self.file = os.fdopen(fd, "r+b", buffering=0)
+        self.regions: dict[int, list[tuple[int, int]]] = {}  # per layer tensor: (offset, block bytes)
+        offset = 0
+        for layer, tensors in blocks.items():
+            self.regions[layer] = []
+            for t in tensors:
+                size = t[:, 0].numel() * t.element_size()
+                self.regions[layer].append((offset, size))
+                offset += size * num_blocks
+        self.file.truncate(offset)
+
+    def write_blocks(self, blocks: dict[int, list[Tensor]], layers: list[int],
+                     pairs: list[tuple[int, int]]) -> None:
+        """(device block, file block) pairs of these layers' tensors to the file."""
+        src = torch.tensor([p[0] for p in pairs])
+        for layer in layers:
+            for t, (start, size) in zip(blocks[layer], self.regions[layer]):
+                rows = t[:, src.to(t.device)].transpose(0, 1).contiguous().cpu()
+                data = rows.view(torch.uint8).reshape(len(pairs), size).numpy()
+                for row, (_, host) in zip(data, pairs):
+                    self.write(memoryview(row), start + host * size)
+
+    def read_blocks(self, blocks: dict[int, list[Tensor]], layers: list[int],
+                    pairs: list[tuple[int, int]]) -> None:
+        """(file block, device block) pairs back into these layers' tensors."""
+        dst = torch.tensor([p[1] for p in pairs])
+        for layer in layers:
+            for t, (start, size) in zip(blocks[layer], self.regions[layer]):
+                buf = torch.empty(len(pairs), size, dtype=torch.uint8)
+                for row, (host, _) in zip(buf.numpy(), pairs):
+                    self.read_into(memoryview(row), start + host * size)
+                rows = buf.view(t.dtype).view(len(pairs), t.shape[0], *t.shape[2:]).transpose(0, 1)
+                t[:, dst.to(t.device)] = rows.to(t.device)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """All of ``data`` at ``offset`` (pwrite may write less than asked)."""
+        while data:
+            n = os.pwrite(self.file.fileno(), data, offset)
+            data, offset = data[n:], offset + n
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        while buf:
+            n = os.preadv(self.file.fileno(), [buf], offset)
+            if n == 0:
+                raise OSError(errno.EIO, "the swap file ended early")
+            buf, offset = buf[n:], offset + n
 
 
 def _rows(blocks: Tensor) -> Tensor:

@@ -2,8 +2,7 @@
 
 Input ids and positions are the chunks' tokens laid end to end (no padding); the attention
 backend gets each sequence's block tables; logits are computed only at the last token of each
-chunk that samples. Block copies for swapping run first, so a block freed by a swap-out can be
-reused by this very step.
+chunk that samples. The step's block copies for swapping are the engine's, run before this.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> Tensor:
         """Run the step; logits [number of sampling chunks, vocab], in chunk order."""
-        self.cache.swap_out(out.swap_out)
-        self.cache.swap_in(out.swap_in)
         device = self.model.device
         if not out.chunks:
             return torch.empty(0, self.model.spec.vocab_size, device=device)

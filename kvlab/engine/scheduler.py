@@ -169,11 +169,16 @@ class Scheduler:
                 group.extend(pairs)
             seq.status = SeqStatus.SWAPPED
         else:  # recompute (or the host pool is full)
-            self.kv.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SeqStatus.WAITING
+            self.recompute(seq)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Drop a preempted sequence's K/V (device and host blocks): it is computed again from
+        its tokens (and prefix-cache hits) when next admitted."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         """After the forward pass: the chunks' K/V exist now; append each sampled token."""

@@ -201,7 +201,8 @@ class EngineBridge:
             if stream is None:
                 continue
             self._observe(out, now)
-            batch.append((stream, StepOutput.of(out)))
+            batch.append((stream, RuntimeError(f"engine error: {out.error}") if out.finish_reason == "error"
+                           else StepOutput.of(out)))
             if out.finished:
                 self._forget(out.request_id)
         if batch and self._loop is not None:
@@ -246,7 +247,7 @@ class EngineBridge:
             block_size=self.engine.capacity.block_size, prefix_queries_tokens=m.prefix_cache_queries,
             prefix_hits_tokens=m.prefix_cache_hits, preemptions=m.preemptions,
             swapped_out_blocks=m.swapped_out_blocks, swapped_in_blocks=m.swapped_in_blocks,
-            running=m.running, waiting=m.waiting, swapped=m.swapped)
+            swap_fallbacks=m.swap_fallbacks, running=m.running, waiting=m.waiting, swapped=m.swapped)
 
     def block_map(self) -> dict[str, Any]:
         """The engine's block map (``LLMEngine.block_map``) with the gauges; call through

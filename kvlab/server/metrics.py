@@ -36,6 +36,7 @@ class EngineGauges:
     preemptions: int  # cumulative
     swapped_out_blocks: int  # cumulative
     swapped_in_blocks: int  # cumulative
+    swap_fallbacks: int  # cumulative: swap-outs the swap file could not take, recomputed instead
     running: int
     waiting: int
     swapped: int
@@ -76,6 +77,8 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", g.preemptions)
         yield counter("swapped_out_blocks", "KV blocks copied out to the host pool.", g.swapped_out_blocks)
         yield counter("swapped_in_blocks", "KV blocks copied back from the host pool.", g.swapped_in_blocks)
+        yield counter("swap_fallbacks", "Preempted requests recomputed because the swap file could not "
+                      "be written (disk full, read-only).", g.swap_fallbacks)
 
 
 class ServerMetrics:

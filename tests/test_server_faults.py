@@ -1,0 +1,142 @@
+"""Faults the server must survive, injected: a swap file that cannot be written, a request whose
+own work raises inside the engine, requests the engine refuses, and SIGTERM while streaming.
+
+Each fault is checked for what a user would see (a clean error or the same greedy text as a solo
+run) and for what must not happen (a leaked block, a stuck engine, a swap file left behind)."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import tempfile
+
+import pytest
+
+from kvlab.engine.engine import LLMEngine, RequestOutput
+from kvlab.generate import generate
+from kvlab.sampling import SamplingParams
+from tests.test_server_fixtures import tiny_bridge
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+PROMPTS = ["the cache holds keys", "hello there, how can", "values of every earlier token",
+           "héllo wörld 日本語", "so each step computes one", "user: hello\nassistant:"]
+
+
+def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Step until every request finished (bounded); request id -> its final output."""
+    final = {}
+    for _ in range(5000):
+        if not engine.has_unfinished():
+            return final
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    raise AssertionError("the engine did not finish within the step bound")
+
+
+def _solo(engine: LLMEngine, prompt: str, params: SamplingParams = GREEDY) -> str:
+    return generate(engine.model, engine.tokenizer.encode(prompt), params, engine.tokenizer).text
+
+
+def _assert_idle(engine: LLMEngine) -> None:
+    m = engine.metrics()
+    assert m.kv_blocks_used == 0 and m.running == m.waiting == m.swapped == 0
+    assert engine.requests == {} and engine.scheduler.requests == {}
+    assert all(len(free) == engine.kv.num_host_blocks for free in engine.kv.host_free)  # host pool whole
+
+
+def _swap_files() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "kvlab-swap-*")))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+# 12 blocks x 8 tokens for six 40-token requests of ~50 tokens each: constant preemption
+SMALL = {"kv_memory": 12 * 8 * 512, "preemption": "swap-disk"}
+
+
+@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EACCES, errno.EROFS],
+                         ids=["disk-full", "permission-lost", "read-only"])
+def test_swap_disk_write_failure_falls_back_to_recompute(folder, fault):
+    before = _swap_files()
+    engine = tiny_bridge(folder, **SMALL).engine
+    assert _swap_files() == before  # the swap file is unlinked as soon as it exists
+    swap = engine.cache.swap_file
+    real_write, writes = swap.write, []
+
+    def failing_write(data, offset):  # the first swap-outs succeed, then the disk "fails" mid-run
+        writes.append(offset)
+        if len(writes) > 16:
+            raise OSError(fault, os.strerror(fault))
+        real_write(data, offset)
+    swap.write = failing_write
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    final = _drain(engine)
+    m = engine.metrics()
+    assert m.swapped_out_blocks > 0 and m.swap_fallbacks > 0  # both paths ran
+    for prompt, rid in zip(PROMPTS, ids, strict=True):
+        assert final[rid].finish_reason == "length" and final[rid].text == _solo(engine, prompt)  # nothing lost
+    _assert_idle(engine)
+    assert _swap_files() == before
+
+
+def test_a_request_whose_own_work_raises_fails_alone(folder):
+    engine = tiny_bridge(folder).engine
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    broken = engine.add_request("the cache holds keys", SamplingParams(temperature=0.8, seed=7, max_tokens=20))
+    sampler, calls = engine.requests[broken].sampler, []
+
+    def nan_after_three(logits):  # what torch.multinomial says when a row is all NaN
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return sampler(logits)
+    engine.requests[broken].sampler = nan_after_three  # type: ignore[assignment]
+    final = _drain(engine)
+    assert final[broken].finish_reason == "error" and "nan" in final[broken].error
+    assert len(final[broken].token_ids) == 3
+    for prompt, rid in zip(PROMPTS[:3], ids, strict=True):
+        assert final[rid].text == _solo(engine, prompt)  # the batch it shared went on unchanged
+    _assert_idle(engine)
+
+
+def _seed_past_validation() -> SamplingParams:
+    """A seed torch cannot take (>= 2**64) smuggled past SamplingParams' own check: what a caller
+    mutating a frozen dataclass would hand in; the Sampler raises inside add_request."""
+    params = SamplingParams(temperature=0.5, max_tokens=8)
+    object.__setattr__(params, "seed", 2**64)
+    return params
+
+
+REFUSED = {
+    "token id past the vocabulary": (lambda e: e.add_request([5, 10_000], GREEDY), ValueError),
+    "negative token id": (lambda e: e.add_request([5, -1], GREEDY), ValueError),
+    "empty prompt": (lambda e: e.add_request([], GREEDY), ValueError),
+    "prompt longer than max_model_len": (lambda e: e.add_request([5] * 300, GREEDY), ValueError),
+    "more blocks than the cache": (lambda e: e.add_request([5] * 10, SamplingParams(max_tokens=200)), ValueError),
+    "request id in use": (lambda e: e.add_request("hello", GREEDY, request_id="taken"), ValueError),
+    "seed torch cannot take": (lambda e: e.add_request("hello", _seed_past_validation()), ValueError),
+}
+
+
+def test_sampling_params_refuse_a_seed_torch_cannot_take():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    SamplingParams(seed=2**64 - 1)  # the largest torch.Generator takes
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_add_request_is_all_or_nothing(folder, kind):
+    engine = tiny_bridge(folder, kv_memory=16 * 8 * 512).engine  # 16 blocks: 200 new tokens do not fit
+    taken = engine.add_request("the cache holds keys", GREEDY, request_id="taken")
+    add, error = REFUSED[kind]
+    with pytest.raises(error):
+        add(engine)
+    assert set(engine.requests) == set(engine.scheduler.requests) == {"taken"}  # no orphan
+    final = _drain(engine)  # the engine keeps serving: the earlier request and a later one
+    assert final[taken].text == _solo(engine, "the cache holds keys")
+    later = engine.add_request("values of every earlier token", GREEDY)
+    assert _drain(engine)[later].text == _solo(engine, "values of every earlier token")
+    _assert_idle(engine)
