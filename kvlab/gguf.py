@@ -62,10 +62,13 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 def is_gguf(path: str | Path) -> bool:
-    """A file that starts with the GGUF magic (the suffix alone proves nothing)."""
+    """A file meant as GGUF: it starts with the GGUF magic or is named *.gguf (then opening it
+    says what is wrong with it, rather than a JSON reader)."""
     p = Path(path)
     if not p.is_file():
         return False
+    if p.suffix.lower() == ".gguf":
+        return True
     with p.open("rb") as f:
         return f.read(4) == MAGIC
 
@@ -120,7 +123,9 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ConfigError(f"{self.path}: no such file")
-        if not is_gguf(self.path):
+        with self.path.open("rb") as f:
+            magic = f.read(4)
+        if magic != MAGIC:
             raise ConfigError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
         try:
             self.reader = _reader_class(gguf)(str(self.path))
