@@ -23,7 +23,7 @@ import torch
 from kvlab.models.attention import ContiguousKVCache, NoCache
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
-from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher
+from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher, TokenLogprob, token_logprobs
 
 FinishReason = Literal["stop", "length"]
 
@@ -70,6 +70,7 @@ class Delta:
 
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None  # with params.logprobs set
 
 
 @dataclass
@@ -146,6 +147,12 @@ class Generation:
         matcher = StopStringMatcher(params.stop)
         n_prompt = len(self.prompt_ids)
         last = torch.tensor([n_prompt - 1], device=device)
+
+        def pick(logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+            token = int(sampler(logits)[0])
+            if params.logprobs is None:
+                return token, None
+            return token, token_logprobs(logits, [token], params.logprobs)[0]
         paused = 0.0
         t0 = time.perf_counter()
 
@@ -158,7 +165,7 @@ class Generation:
             positions = backend.prepare(n_prompt, device)
         ids = torch.tensor(self.prompt_ids, device=device)
         logits = model(ids, positions, backend, last)
-        token = int(sampler(logits)[0])
+        token, logprob = pick(logits)
         t_first = time.perf_counter()
 
         out: list[int] = []
@@ -178,7 +185,7 @@ class Generation:
                 delta += matcher.feed(detok.flush()) + matcher.flush()
             text.append(delta)
             t_pause = time.perf_counter()
-            yield Delta(token, delta)
+            yield Delta(token, delta, logprob)
             paused += time.perf_counter() - t_pause
             if done:
                 break
@@ -192,7 +199,7 @@ class Generation:
                 positions = backend.prepare(len(seq), device)
                 logits = model(torch.tensor(seq, device=device), positions, backend,
                                torch.tensor([len(seq) - 1], device=device))
-            token = int(sampler(logits)[0])
+            token, logprob = pick(logits)
 
         t_end = time.perf_counter() - paused
         decode_s = t_end - t_first

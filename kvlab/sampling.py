@@ -4,15 +4,23 @@ Order (as Hugging Face's logits processors): temperature, top-k, top-p, min-p, t
 the remaining distribution with the request's own ``torch.Generator`` (so a seed reproduces a
 completion regardless of what else runs). Temperature 0 is greedy (argmax) and skips the rest.
 Defaults follow vLLM's SamplingParams (temperature 1, no top-k/top-p/min-p filtering).
+
+Log-probabilities (``logprobs``, ``prompt_logprobs``) are vLLM's default "raw" ones: the
+log-softmax in fp32 of the model's logits as they are, before temperature and the filters, so a
+token's figure does not depend on how it was sampled.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+
+MAX_LOGPROBS = 20  # alternatives per token at most, as vLLM's default max_logprobs and OpenAI's
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids, besides the model's EOS ids
     ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: its log-probability and the N most likely
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +123,31 @@ class Sampler:
             return logits.argmax(dim=-1)
         probs = self.filtered_logits(logits).softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability at its position, its rank there, and the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+def token_logprobs(logits: Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Row i of ``logits`` scored at ``token_ids[i]``, with the ``top`` most likely tokens.
+
+    fp32 log-softmax of the logits as given (no temperature or filters: vLLM's raw logprobs);
+    ties in the top list keep torch.topk's order."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(-1, ids[:, None])
+    ranks = (lp > chosen).sum(-1) + 1
+    best_v, best_i = lp.topk(top, dim=-1)
+    return [TokenLogprob(t, c, r, tuple(zip(bi, bv)))
+            for t, c, r, bi, bv in zip(ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                       best_i.tolist(), best_v.tolist(), strict=True)]
 
 
 @dataclass

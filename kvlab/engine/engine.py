@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,7 @@ from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups
 from kvlab.generate import IncrementalDetokenizer
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
-from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher
+from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher, TokenLogprob, token_logprobs
 from kvlab.units import fmt_bytes
 
 log = logging.getLogger("kvlab.engine")
@@ -46,6 +46,10 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int
     error: str | None = None  # why, when finish_reason is "error"
+    # with params.logprobs: one per generated token so far (a list that grows with the request)
+    logprobs: list[TokenLogprob] | None = None
+    # with params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -81,6 +85,8 @@ class _Request:
     arrival: float
     ttft_s: float | None = None
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
@@ -167,6 +173,10 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
+        if params.prompt_logprobs is not None:
+            # every prompt position must go through the model to be scored: a salt of its own
+            # keeps the prefix cache from serving any of them (vLLM skips the cache likewise)
+            cache_salt = f"{cache_salt or ''}\0prompt-logprobs:{request_id}"
         seq = Sequence(request_id, ids, params.max_tokens, cache_salt)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -174,6 +184,8 @@ class LLMEngine:
         req = _Request(seq, params, Sampler(params, self.model.device), frozenset(stop_ids),
                        IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
                        StopStringMatcher(params.stop), time.perf_counter())
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         self.scheduler.add(seq)  # its admission check is the last one; nothing can fail after it
         self.requests[request_id] = req
         return request_id
@@ -198,8 +210,11 @@ class LLMEngine:
         if not out.chunks and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler made no progress with requests pending")
         self._copy_blocks(out)
-        logits = self.runner.execute(out)
+        scoring = [rid for rid, r in self.requests.items() if r.prompt_logprobs is not None]
+        logits, prompt_rows = self.runner.execute(out, scoring)
+        self._score_prompts(prompt_rows)
         seqs = [c.seq for c in out.chunks if c.samples]
+        row = {s.request_id: i for i, s in enumerate(seqs)}
         tokens = self._sample(seqs, logits)
         outputs = [self._fail(self.requests[s.request_id], t) for s, t in zip(seqs, tokens)
                    if isinstance(t, Exception)]
@@ -210,6 +225,8 @@ class LLMEngine:
         for rid, token in sampled.items():
             req = self.requests[rid]
             try:
+                if req.params.logprobs is not None:
+                    req.logprobs += token_logprobs(logits[row[rid]:row[rid] + 1], [token], req.params.logprobs)
                 outputs.append(self._advance(req, token, now))
             except Exception as e:
                 outputs.append(self._fail(req, e))
@@ -228,6 +245,16 @@ class LLMEngine:
             self.swap_fallbacks += len(victims)
             log.warning("swap-out failed (%s): %d preempted request(s) will recompute", e, len(victims))
         self.cache.swap_in(out.swap_in)
+
+    def _score_prompts(self, rows: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """Prompt logprobs from the rows the runner computed for them (a chunked prefill brings
+        them over several steps; a recompute after preemption brings the same ones again)."""
+        for rid, (first, logits) in rows.items():
+            req = self.requests[rid]
+            assert req.prompt_logprobs is not None
+            targets = req.seq.token_ids[first:first + len(logits)]
+            scored = token_logprobs(logits, targets, req.params.prompt_logprobs or 0)
+            req.prompt_logprobs[first:first + len(scored)] = scored
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
         """One token per sequence, or the exception its own sampler raised."""
@@ -281,7 +308,9 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             token_ids=seq.output_ids, text=req.text, new_token_ids=new, new_text=delta,
             finished=finish is not None, finish_reason=finish, ttft_s=req.ttft_s,
-            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs)
 
     # --- figures --------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:

@@ -8,6 +8,7 @@ chunk that samples. The step's block copies for swapping are the engine's, run b
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -29,25 +30,45 @@ class ModelRunner:
             model.prepack(max_bytes=_available_ram() // 2)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> Tensor:
-        """Run the step; logits [number of sampling chunks, vocab], in chunk order."""
+    def execute(self, out: SchedulerOutput,
+                score_prompt: Collection[str] = ()) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
+        """Run the step. Returns logits [number of sampling chunks, vocab], in chunk order, and
+        for the requests in ``score_prompt`` (prompt logprobs) the rows that score the prompt
+        tokens this step reaches: request id -> (first prompt position scored, logits), row j
+        predicting the prompt token at that position + j. Those rows cost the last layer's
+        o_proj, MLP and lm_head per prompt token, so they are computed only when asked."""
         device = self.model.device
         if not out.chunks:
-            return torch.empty(0, self.model.spec.vocab_size, device=device)
+            return torch.empty(0, self.model.spec.vocab_size, device=device), {}
         ids: list[int] = []
         positions: list[Tensor] = []
         last: list[int] = []
+        scored: dict[str, tuple[int, range]] = {}
         spans = []
         for chunk in out.chunks:
             end = chunk.start + chunk.num_tokens
-            ids.extend(chunk.seq.token_ids[chunk.start:end])
+            seq = chunk.seq
+            if seq.request_id in score_prompt:
+                # position p's logits predict token p + 1; the last prompt position's row is the
+                # sampling row (it predicts the first new token), so it is not a prompt score
+                stop = min(end, seq.num_prompt_tokens - 1)
+                if stop > chunk.start:
+                    scored[seq.request_id] = (chunk.start + 1, range(len(ids), len(ids) + stop - chunk.start))
+            ids.extend(seq.token_ids[chunk.start:end])
             positions.append(torch.arange(chunk.start, end))
             if chunk.samples:
                 last.append(len(ids) - 1)
-            spans.append(SeqSpan(chunk.seq.block_tables, chunk.start, chunk.num_tokens))
+            spans.append(SeqSpan(seq.block_tables, chunk.start, chunk.num_tokens))
         self.attn.prepare(spans, device)
-        return self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device),
-                          self.attn, torch.tensor(last, dtype=torch.long, device=device))
+        rows = last + [i for _, r in scored.values() for i in r]
+        logits = self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device),
+                            self.attn, torch.tensor(rows, dtype=torch.long, device=device))
+        prompt: dict[str, tuple[int, Tensor]] = {}
+        at = len(last)
+        for rid, (first, r) in scored.items():
+            prompt[rid] = (first, logits[at:at + len(r)])
+            at += len(r)
+        return logits[:len(last)], prompt
 
 
 def _available_ram() -> int:
