@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 GPU_FILE = Path(__file__).parent / "catalog" / "gpus.json"
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "cpu.json"
@@ -39,11 +42,23 @@ def get_device(key: str) -> Device:
     return Device(key, g["name"], g["memory_bytes"], g["bandwidth"], g["bf16_flops"], g["source"])
 
 
-def _mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemTotal from /proc/meminfo")
+def system_memory() -> int:
+    """This machine's RAM in bytes: the one reader kvlab uses (planner, engine sizing)."""
+    return psutil.virtual_memory().total
+
+
+def available_memory() -> int:
+    """RAM that can be allocated now without swapping (psutil's estimate, like `free`'s)."""
+    return psutil.virtual_memory().available
+
+
+def with_memory(device: Device, memory_bytes: int) -> Device:
+    """The same device's bandwidth and FLOP/s with `memory_bytes` of memory (`--gpu-memory`):
+    the name says the memory is overridden, so no note names a part the user does not have."""
+    return dataclasses.replace(
+        device, name=f"{device.name} with {memory_bytes / 1e9:,.2f} GB (--gpu-memory)",
+        memory_bytes=memory_bytes,
+        source=f"{device.source}; memory overridden by --gpu-memory")
 
 
 def _measure_cpu() -> dict:
@@ -68,7 +83,7 @@ def _measure_cpu() -> dict:
 
 
 def cpu_device() -> Device:
-    """This machine: RAM from /proc/meminfo, bandwidth and FLOP/s measured once and cached."""
+    """This machine: RAM (psutil), bandwidth and FLOP/s measured once and cached."""
     try:
         measured = json.loads(CACHE_FILE.read_text())
     except (OSError, ValueError):
@@ -79,8 +94,8 @@ def cpu_device() -> Device:
         except OSError:
             pass  # a read-only home only costs a re-measurement next time
     return Device(
-        "cpu", f"this machine ({measured['cores']} cores)", _mem_total(), measured["bandwidth"],
+        "cpu", f"this machine ({measured['cores']} cores)", system_memory(), measured["bandwidth"],
         measured["flops"],
-        f"RAM from /proc/meminfo; read bandwidth and fp32 matmul FLOP/s measured with numpy "
+        f"RAM from psutil; read bandwidth and fp32 matmul FLOP/s measured with numpy "
         f"(cached in {CACHE_FILE})",
     )

@@ -4,7 +4,6 @@ allocates are what `kvlab plan --kv-memory` prints, and its bytes are the planne
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -15,6 +14,7 @@ from kvlab.engine.engine import kv_memory_for
 from kvlab.engine.llm import LLM
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.sizing import kv_cache_capacity, layer_groups
+from kvlab.hardware import system_memory
 from kvlab.plan import PlanRequest, make_plan
 from tests.test_engine_parity import tiny_config, tiny_model  # noqa: F401 (fixtures)
 
@@ -70,7 +70,7 @@ def test_state_layers_are_not_paged():
 def test_memory_utilisation_leaves_room_for_weights_and_activations():
     model = tiny_model()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = system_memory()
     assert 0 < kv_memory_for(EngineOptions(mem_util=0.5), model) < ram * 0.5 - weights
     assert kv_memory_for(EngineOptions(), model) == 2**30  # CPU default
     assert kv_memory_for(EngineOptions(kv_memory="8MiB"), model) == 8 * 2**20

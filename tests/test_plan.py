@@ -67,7 +67,12 @@ def test_tensor_parallel_splits_gqa_and_replicates():
 
 
 def test_valid_tp_sizes():
-    assert valid_tp_sizes(load_spec("qwen2.5-0.5b")) == [1, 2, 14]  # 14 heads, 2 KV heads
+    # 14 heads and 2 KV heads would allow 14, but the FFN width 4,864 does not split 14 ways
+    assert valid_tp_sizes(load_spec("qwen2.5-0.5b")) == [1, 2]
+    qwen7 = load_spec("qwen2.5-7b")  # 28 heads, 4 KV heads, FFN 18,944 = 2^7 x 148
+    assert 28 not in valid_tp_sizes(qwen7) and valid_tp_sizes(qwen7) == [1, 2, 4]
+    with pytest.raises(ValueError, match="--tp 28 is not valid"):
+        make_plan(qwen7, PlanRequest(tp=28))
     assert valid_tp_sizes(load_spec("llama-3.1-8b"))[:4] == [1, 2, 4, 8]
     with pytest.raises(ValueError, match="--tp 3 is not valid"):
         make_plan(load_spec("llama-3.1-8b"), PlanRequest(tp=3))

@@ -5,7 +5,6 @@ same token for token."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -17,8 +16,9 @@ from kvlab.engine.options import EngineOptions
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
-from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups
+from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.generate import IncrementalDetokenizer
+from kvlab.hardware import system_memory
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher, TokenLogprob, token_logprobs
@@ -91,7 +91,8 @@ class _Request:
 
 def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
     """Bytes for the cache: --kv-memory, else the part of mem_util x device memory left after
-    the weights and one step's activations, else (CPU) a fixed 1 GiB."""
+    the weights, one step's activations and logits and the runtime (`memory_budget`, the
+    planner's model), else (CPU) a fixed 1 GiB."""
     if options.kv_memory is not None:
         return options.kv_memory
     device = model.device
@@ -101,13 +102,12 @@ def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    spec, elem = model.spec, model.dtype.itemsize
+        total = system_memory()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    inter = int(spec.config.get("intermediate_size", 4 * spec.hidden_size))
-    activations = (options.max_num_batched_tokens * (4 * spec.hidden_size + 2 * inter) * elem
-                   + options.max_num_seqs * spec.vocab_size * 4)
-    kv = int(total * util) - weights - activations
+    # the planner's memory model, with this engine's step size and its fp32 logits
+    kv = memory_budget(model.spec, total, util, weights, batched_tokens=options.max_num_batched_tokens,
+                       sequences=options.max_num_seqs, on_gpu=device.type == "cuda",
+                       elem_bytes=model.dtype.itemsize, logit_bytes=4).kv
     if kv <= 0:
         raise ValueError(f"mem_util {util} of {fmt_bytes(total)} leaves nothing for the KV cache "
                          f"after {fmt_bytes(weights)} of weights")

@@ -7,7 +7,6 @@ chunk that samples. The step's block copies for swapping are the engine's, run b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor
 from kvlab.engine.attention import PagedAttention, SeqSpan
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.scheduler import SchedulerOutput
+from kvlab.hardware import available_memory
 from kvlab.models.llama import CausalLM
 
 
@@ -27,7 +27,7 @@ class ModelRunner:
         # bf16 on CPU: packed weight copies make decode matmuls ~1.5x faster (bit-identical);
         # they cost the linear weights' bytes once more, so only when RAM has ample room.
         if model.device.type == "cpu":
-            model.prepack(max_bytes=_available_ram() // 2)
+            model.prepack(max_bytes=available_memory() // 2)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
@@ -70,9 +70,3 @@ class ModelRunner:
             at += len(r)
         return logits[:len(last)], prompt
 
-
-def _available_ram() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0

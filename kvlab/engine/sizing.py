@@ -8,6 +8,10 @@ of blocks, so one "block" means `block_size` tokens of every layer and costs
 the engine allocates. (A hybrid model's sliding pool is thus sized like its full pool; vLLM's
 shared-page allocator reclaims that, at the price of many more block tables. All-sliding models,
 Mistral-style, do get the window's saving: their sequences stop growing at the window.)
+
+`memory_budget` is the one memory model: what is left for the cache once weights, activations,
+logits and the runtime's own memory are taken from a device's memory. The engine sizes its pool by
+it when no `--kv-memory` is given, and the planner's capacity figures are the same subtraction.
 """
 
 from __future__ import annotations
@@ -18,8 +22,50 @@ from kvlab.dtypes import kv_dtype as lookup_kv_dtype
 from kvlab.spec import ModelSpec
 
 
+GiB = 2**30
+# Runtime memory outside weights/KV/activations: CUDA context, allocator slack, graphs (an estimate).
+RUNTIME_OVERHEAD = {"gpu": 1 * GiB, "cpu": GiB // 2}
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def activation_bytes(spec: ModelSpec, tokens: int, elem_bytes: int = 2) -> int:
+    """Peak activations of one forward step over `tokens` tokens: hidden states, q/k/v/o and the
+    MLP's gate and up outputs (the widest FFN: dense or one expert)."""
+    inter = max((m.rows for m in spec.matrices if m.name in ("mlp.gate_up", "moe.experts.gate_up")),
+                default=0)
+    return tokens * (4 * spec.hidden_size + 2 * inter) * elem_bytes
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """One device's memory, spent: the cache gets what the rest leaves."""
+
+    total: int  # the device's memory (RAM on CPU)
+    usable: int  # total x utilisation
+    weights: int  # this device's share of the weights
+    activations: int  # one step of `batched_tokens` tokens
+    logits: int  # last-position logits of every sequence in the step
+    runtime: int  # RUNTIME_OVERHEAD: estimate
+
+    @property
+    def kv(self) -> int:
+        return self.usable - self.weights - self.activations - self.logits - self.runtime
+
+
+def memory_budget(spec: ModelSpec, total: int, utilisation: float, weights: int, *,
+                  batched_tokens: int, sequences: int, on_gpu: bool, elem_bytes: int = 2,
+                  logit_bytes: int = 2) -> MemoryBudget:
+    """The KV budget of one device: `total x utilisation` less weights, one step's activations
+    (`batched_tokens` tokens in `elem_bytes`), `sequences` rows of logits and the runtime."""
+    return MemoryBudget(
+        total=total, usable=int(total * utilisation), weights=weights,
+        activations=activation_bytes(spec, batched_tokens, elem_bytes),
+        logits=sequences * spec.vocab_size * logit_bytes,
+        runtime=RUNTIME_OVERHEAD["gpu" if on_gpu else "cpu"],
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,18 @@
+"""The planner: KV-cache memory, weights, capacity, tensor parallelism, speed bounds, and what
+vLLM and llama.cpp will allocate.
+
+    planner.py     PlanRequest, Plan and make_plan, which runs the steps below in order
+    parallel.py    valid TP sizes, each GPU's share of a cache
+    memory.py      cache per token / sequence / layer kind, weights (the budget itself is
+                   kvlab.engine.sizing.memory_budget, shared with the engine)
+    capacity.py    longest context that fits, GPUs needed
+    speed.py       decode and prefill bounds, the crossover batch, the cache / no-cache work table
+    engines/       vllm.py and llamacpp.py: those engines' own log lines and command lines
+"""
+
+from kvlab.plan.parallel import valid_tp_sizes
+from kvlab.plan.planner import Plan, PlanRequest, make_plan
+from kvlab.plan.speed import generation_flops, prefill_flops, work_table
+
+__all__ = ["Plan", "PlanRequest", "make_plan", "valid_tp_sizes", "generation_flops", "prefill_flops",
+           "work_table"]

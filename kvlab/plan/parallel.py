@@ -1,0 +1,51 @@
+"""Tensor parallelism: which TP sizes an engine accepts and how much of a cache each GPU holds."""
+
+from __future__ import annotations
+
+import math
+
+from kvlab.dtypes import StorageDtype
+from kvlab.spec import LayerSpec, ModelSpec
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP
+
+
+def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
+    """TP sizes vLLM accepts: they divide the query heads, the FFN width (each expert's for MoE)
+    and the vocabulary padded to a multiple of 64 (vLLM's VocabParallelEmbedding pads it so, then
+    splits it evenly), and KV heads divide evenly or are replicated (tp a multiple of kv_heads)."""
+    heads = [layer.num_heads for layer in spec.layers if layer.num_heads]
+    kv = [layer.kv_heads for layer in spec.layers if layer.kv_heads and layer.kind != "mla"]
+    # the FFN widths a rank splits: the input width of every down projection (dense, expert, shared)
+    ffn = {m.cols for m in spec.matrices if m.name.endswith("down")}
+    vocab = -(-spec.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    out = []
+    for tp in range(1, limit + 1):
+        if any(h % tp for h in heads) or any(f % tp for f in ffn) or vocab % tp:
+            continue
+        if any(k % tp and tp % k for k in kv):
+            continue
+        out.append(tp)
+    return out
+
+
+def layer_kv_share(layer: LayerSpec, tp: int) -> float:
+    """Fraction of a layer's cache that each GPU holds at this TP size.
+
+    GQA/MHA caches split by KV heads; past kv_heads GPUs each still holds one whole head
+    (replication). MLA's latent is shared by all heads, so every GPU holds all of it.
+    SSM state splits with the SSM heads."""
+    if layer.kind == "mla":
+        return 1.0
+    if layer.has_kv:
+        return max(1, layer.kv_heads // tp) / layer.kv_heads
+    return 1.0 / tp
+
+
+def seq_bytes_per_gpu(spec: ModelSpec, context: int, dtype: StorageDtype, tp: int, state_bytes: int) -> int:
+    """One sequence's cache on each GPU at this TP size (windows capped, SSM state fixed)."""
+    total = 0.0
+    for layer in spec.layers:
+        full = layer.kv_bytes_per_token(dtype) * layer.cached_tokens(context) + layer.state_elems * state_bytes
+        total += full * layer_kv_share(layer, tp)
+    return math.ceil(total)

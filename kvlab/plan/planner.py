@@ -1,0 +1,340 @@
+"""The plan: a request, the figures it produces, and `make_plan`, which runs the named steps of
+the sibling modules (parallel, memory, capacity, speed, engines) in order.
+
+Every number is derived from the ModelSpec (one source of truth) and a Device; each comes with
+the formula or datasheet it rests on, so a reader can check it by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import asdict, dataclass, field
+
+from kvlab.dtypes import StorageDtype, kv_dtype, weight_dtype
+from kvlab.engine.sizing import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacity, memory_budget
+from kvlab.hardware import Device, get_device, with_memory
+from kvlab.plan import capacity, speed
+from kvlab.plan.engines import llamacpp, vllm
+from kvlab.plan.memory import PREFILL_CHUNK, kv_without_gqa, layer_breakdown, weights_split
+from kvlab.plan.parallel import layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
+from kvlab.spec import ModelSpec
+
+__all__ = ["Plan", "PlanRequest", "make_plan", "RUNTIME_OVERHEAD", "PREFILL_CHUNK"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    context: int = 8192
+    users: int = 1
+    kv_dtype: str = "bf16"
+    weights_dtype: str = "bf16"
+    gpu: str = "h100-sxm"
+    gpus: int | None = None
+    tp: int | None = None
+    mem_util: float = 0.9
+    gpu_memory: int | None = None  # the device's memory in bytes, in place of its datasheet's
+    prompt: int = 128  # for the cache / no-cache work table
+    new_tokens: tuple[int, ...] = (64, 128, 256, 512)
+    kv_memory: int | None = None  # the engine's KV budget (bytes): sizes its block pool
+    block_size: int = 16  # tokens per engine KV block
+    max_model_len: int | None = None  # for the engine's max concurrency (default: context)
+    dp_attention: bool = False  # MLA: each rank holds whole caches of its share of the batch
+    vllm: vllm.VllmSettings | None = None  # predict vLLM's start-up line
+    llamacpp: llamacpp.LlamaCppSettings | None = None  # predict llama-server's KV line
+
+    def validate(self, spec: ModelSpec) -> None:
+        checks = [
+            (self.context >= 1, f"--context must be at least 1, got {self.context}"),
+            (self.context <= 100_000_000, f"--context {self.context} is beyond any model"),
+            (self.users >= 1, f"--users must be at least 1, got {self.users}"),
+            (0 < self.mem_util <= 1, f"--mem-util must be in (0, 1], got {self.mem_util}"),
+            (self.gpus is None or self.gpus >= 1, f"--gpus must be at least 1, got {self.gpus}"),
+            (self.tp is None or self.tp >= 1, f"--tp must be at least 1, got {self.tp}"),
+            (self.prompt >= 1, f"--prompt must be at least 1, got {self.prompt}"),
+            (self.gpu_memory is None or self.gpu_memory > 0, "--gpu-memory must be positive"),
+            (self.kv_memory is None or self.kv_memory > 0, "--kv-memory must be positive"),
+            (self.block_size >= 1, f"--block-size must be at least 1, got {self.block_size}"),
+            (self.max_model_len is None or self.max_model_len >= 1,
+             f"--max-model-len must be at least 1, got {self.max_model_len}"),
+            (not self.dp_attention or spec.is_mla,
+             f"--dp-attention is for MLA models, whose cache TP replicates; {spec.name} splits "
+             f"its KV heads across TP ranks already"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+@dataclass
+class Plan:
+    model: str
+    context: int
+    users: int
+    kv_dtype: str
+    weights_dtype: str
+    gpu: str
+    tp: int
+    gpus: int
+    # cache
+    kv_bytes_per_token: int
+    kv_bytes_per_sequence: int
+    kv_bytes_total: int
+    kv_bytes_per_gpu: int
+    kv_bytes_per_token_without_gqa: int | None
+    kv_fixed_bytes: int
+    kv_layout: str
+    layer_breakdown: list[dict]
+    # memory
+    weights_bytes: int
+    stored_weights_bytes: int | None  # what the checkpoint file holds (GGUF: quantised tensors)
+    stored_weights_formats: str | None
+    num_params: int
+    active_params: int
+    logits_bytes_all_positions: int
+    logits_bytes_last_only: int
+    activation_allowance_bytes: int
+    runtime_overhead_bytes: int
+    # device and capacity
+    gpu_name: str
+    gpu_memory_bytes: int
+    usable_bytes_per_gpu: int
+    kv_budget_bytes_per_gpu: int
+    max_sequences: int
+    max_context_for_users: int | None
+    gpus_needed: int | None
+    gpus_needed_cache_only: int
+    valid_tp_sizes: list[int]
+    kv_replicated: bool
+    # speed
+    decode_step_seconds: float
+    decode_weights_seconds: float
+    decode_kv_seconds: float
+    decode_tokens_per_s: float
+    ttft_seconds: float
+    prefill_flops: float
+    crossover_batch: int | None
+    work_table: list[dict]
+    vllm_flags: str
+    notes: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+    # the engine's block pool for --kv-memory (kvlab.engine.sizing: what the engine allocates)
+    kv_cache_blocks: int | None = None
+    kv_cache_tokens: int | None = None
+    max_concurrency: float | None = None
+    # the batch's cache on each GPU: TP attention replicates MLA, --dp-attention splits the batch
+    dp_attention: bool = False
+    kv_bytes_batch_per_gpu: int = 0
+    # --engine: the peer engine's own log lines and the command that produces them
+    engine: str | None = None
+    engine_log_lines: list[str] = field(default_factory=list)
+    engine_command: str | None = None
+    engine_details: dict | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# --- steps ----------------------------------------------------------------------------------
+
+def choose_parallelism(spec: ModelSpec, req: PlanRequest) -> tuple[list[int], int, int]:
+    """(valid TP sizes, TP, GPUs): TP defaults to the largest valid size dividing the GPUs."""
+    tps = valid_tp_sizes(spec)
+    gpus = req.gpus or req.tp or 1
+    tp = req.tp or max(t for t in tps if gpus % t == 0)
+    if tp not in tps:
+        raise ValueError(f"--tp {tp} is not valid for {spec.name}: valid sizes are {', '.join(map(str, tps))}")
+    if gpus % tp:
+        raise ValueError(f"--gpus {gpus} is not a multiple of --tp {tp}")
+    return tps, tp, gpus
+
+
+def choose_device(req: PlanRequest) -> Device:
+    """--gpu's datasheet; --gpu-memory replaces its memory only, and the device's name says so."""
+    device = get_device(req.gpu)
+    return with_memory(device, req.gpu_memory) if req.gpu_memory else device
+
+
+def per_gpu_sequence_bytes(spec: ModelSpec, req: PlanRequest, context: int, kvd: StorageDtype,
+                           tp: int, state_bytes: int) -> int:
+    """One sequence's cache on a GPU that holds it: its TP share, or all of it under DP attention."""
+    return seq_bytes_per_gpu(spec, context, kvd, 1 if req.dp_attention else tp, state_bytes)
+
+
+def budget_for(spec: ModelSpec, device: Device, req: PlanRequest, weights: int, tp: int, users: int,
+               logit_bytes: int) -> MemoryBudget:
+    """The one memory model (kvlab.engine.sizing) with the planner's prefill chunk."""
+    return memory_budget(spec, device.memory_bytes, req.mem_util, math.ceil(weights / tp),
+                         batched_tokens=min(req.context, PREFILL_CHUNK), sequences=users,
+                         on_gpu=device.key != "cpu", logit_bytes=logit_bytes)
+
+
+def vllm_flags(req: PlanRequest, kvd: StorageDtype, tp: int, replicas: int, max_seqs: int,
+               notes: list[str]) -> str:
+    vllm_kv = {"bf16": "auto", "fp16": "auto", "fp32": "auto", "fp8_e4m3": "fp8_e4m3",
+               "fp8_e5m2": "fp8_e5m2"}.get(kvd.name)
+    flags = [f"--max-model-len {req.context}",
+             f"--max-num-seqs {max(1, min(req.users, max_seqs // replicas or 1))}",
+             f"--tensor-parallel-size {tp}", f"--gpu-memory-utilization {req.mem_util}"]
+    if replicas > 1:
+        flags.append(f"--data-parallel-size {replicas}")
+    if req.dp_attention:
+        flags.append("--enable-dp-attention")
+    if vllm_kv:
+        flags.append(f"--kv-cache-dtype {vllm_kv}")
+    else:
+        notes.append(f"vLLM has no {kvd.name} KV cache; llama.cpp does (--cache-type-k/-v q8_0/q4_0)")
+    return "vllm serve MODEL " + " ".join(flags)
+
+
+def engine_prediction(spec: ModelSpec, req: PlanRequest, device: Device, weights: int, tp: int
+                      ) -> tuple[str, list[str], str, dict] | None:
+    """--engine: (engine, its log lines, its command, the figures behind them)."""
+    if req.vllm is not None:
+        s = dataclasses.replace(req.vllm, device="cpu" if device.key == "cpu" else "gpu", tp=tp,
+                                device_memory=device.memory_bytes)
+        mnbt = s.max_num_batched_tokens or vllm.default_max_num_batched_tokens(s.device, tp, device.memory_bytes)
+        estimate = memory_budget(spec, device.memory_bytes, s.gpu_memory_utilization, math.ceil(weights / tp),
+                                 batched_tokens=mnbt, sequences=req.users, on_gpu=s.device == "gpu").kv
+        p = vllm.predict(spec, s, spec.name, available_estimate=estimate)
+        return f"vllm {p.version}", [p.log_line], p.command, asdict(p)
+    if req.llamacpp is not None:
+        q = llamacpp.predict(spec, req.llamacpp, spec.name)
+        return "llama.cpp b11434", q.log_lines, q.command, asdict(q)
+    return None
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
+    req.validate(spec)
+    kvd, wd = kv_dtype(req.kv_dtype), weight_dtype(req.weights_dtype)
+    device = choose_device(req)
+    state_bytes = 4 if wd.bits == 32 else 2  # SSM state stays in the activation dtype
+    logit_bytes = 4 if kvd.bits == 32 else 2
+    notes = list(spec.notes)
+    T, B = req.context, req.users
+    if spec.max_position_embeddings and T > spec.max_position_embeddings:
+        notes.append(f"context {T:,} exceeds the model's max_position_embeddings "
+                     f"{spec.max_position_embeddings:,}")
+    if req.gpu_memory:
+        notes.append(f"--gpu-memory: {device.name}; bandwidth and FLOP/s stay those of --gpu {req.gpu}")
+
+    # 1. parallelism
+    tps, tp, gpus = choose_parallelism(spec, req)
+    replicas = gpus // tp
+
+    # 2. the cache
+    per_seq = spec.kv_bytes_per_sequence(T, kvd, state_bytes)
+    per_seq_gpu = per_gpu_sequence_bytes(spec, req, T, kvd, tp, state_bytes)
+    kv_layers = spec.attention_layers
+    replicated = not req.dp_attention and any(layer_kv_share(layer, tp) * tp > 1 for layer in kv_layers)
+    # ranks that hold different sequences: DP attention spreads the batch over the TP ranks too
+    seq_ranks = replicas * (tp if req.dp_attention else 1)
+
+    # 3. memory
+    w_dense, w_experts = weights_split(spec, wd)
+    w_bytes = w_dense + w_experts
+    budget = budget_for(spec, device, req, w_bytes, tp, B, logit_bytes)
+    max_seqs = budget.kv // per_seq_gpu * seq_ranks if per_seq_gpu and budget.kv > 0 else 0
+
+    # 4. capacity: longest context for B users, GPUs needed
+    @functools.cache
+    def room(context: int, tp_: int) -> tuple[int, int]:
+        """(one sequence's bytes with its logits row, the budget before any sequence) per GPU."""
+        per = per_gpu_sequence_bytes(spec, req, context, kvd, tp_, state_bytes)
+        return per + spec.vocab_size * logit_bytes, budget_for(spec, device, req, w_bytes, tp_, 0, logit_bytes).kv
+
+    def fits(n_users: int, context: int, tp_: int, ranks: int) -> bool:
+        per, kv = room(context, tp_)
+        return math.ceil(n_users / ranks) * per <= kv
+
+    seq_ranks_for = (lambda t, n: n if req.dp_attention else n // t)
+    max_ctx = capacity.longest_context(lambda c: fits(B, c, tp, seq_ranks),
+                                       max(T, spec.max_position_embeddings or T)) if budget.kv > 0 else None
+    gpus_needed = capacity.gpus_needed(tps, lambda t, n: fits(B, T, t, seq_ranks_for(t, n)))
+    cache_only = math.ceil(per_seq * B / budget.usable)
+
+    # 5. speed: each GPU reads its weight shard and the cache of the sequences it holds
+    def weights_read(batch: int) -> float:
+        return (w_dense + w_experts * speed.experts_touched_fraction(spec, batch)) / tp
+
+    batch = max(1, math.ceil(B / seq_ranks))
+    t_w, t_kv = weights_read(batch) / device.bandwidth, batch * per_seq_gpu / device.bandwidth
+    flops = speed.prefill_flops(spec, T)
+
+    # 6. kvlab's engine for --kv-memory
+    cap = None
+    if req.kv_memory is not None:
+        try:
+            cap = kv_cache_capacity(spec, req.kv_memory, req.block_size, kvd.name, req.max_model_len or T)
+        except ValueError as e:
+            notes.append(f"engine KV cache: {e}")
+
+    # 7. flags and the peer engine
+    flags = vllm_flags(req, kvd, tp, replicas, max_seqs, notes)
+    if max_seqs < B:
+        notes.append(f"{B} users of {T:,} tokens do not fit on {gpus} x {device.name}: room for {max_seqs}")
+    predicted = engine_prediction(spec, req, device, w_bytes, tp)
+    if predicted and req.vllm is not None and predicted[3]["available_is_estimate"]:
+        notes.append(f"vLLM measures its KV memory at start-up; this line uses kvlab's estimate of "
+                     f"{predicted[3]['available_bytes']:,} B (give --kv-memory for the exact line)")
+
+    return Plan(
+        model=spec.name, context=T, users=B, kv_dtype=kvd.name, weights_dtype=wd.name,
+        gpu=device.key, tp=tp, gpus=gpus,
+        kv_bytes_per_token=spec.kv_bytes_per_token(kvd), kv_bytes_per_sequence=per_seq,
+        kv_bytes_total=per_seq * B, kv_bytes_per_gpu=per_seq_gpu,
+        kv_bytes_per_token_without_gqa=kv_without_gqa(spec, kvd),
+        kv_fixed_bytes=kvd.fixed_bytes_per_tensor * 2 * len(kv_layers), kv_layout=kvd.layout,
+        layer_breakdown=layer_breakdown(spec, T, kvd, state_bytes),
+        weights_bytes=w_bytes,
+        stored_weights_bytes=spec.stored_weights.bytes if spec.stored_weights else None,
+        stored_weights_formats=spec.stored_weights.describe() if spec.stored_weights else None,
+        num_params=spec.num_params, active_params=spec.active_params,
+        logits_bytes_all_positions=T * spec.vocab_size * logit_bytes,
+        logits_bytes_last_only=budget.logits,
+        activation_allowance_bytes=budget.activations, runtime_overhead_bytes=budget.runtime,
+        gpu_name=device.name, gpu_memory_bytes=device.memory_bytes, usable_bytes_per_gpu=budget.usable,
+        kv_budget_bytes_per_gpu=budget.kv,
+        max_sequences=int(max_seqs), max_context_for_users=max_ctx, gpus_needed=gpus_needed,
+        gpus_needed_cache_only=cache_only, valid_tp_sizes=tps, kv_replicated=replicated,
+        decode_step_seconds=t_w + t_kv, decode_weights_seconds=t_w, decode_kv_seconds=t_kv,
+        decode_tokens_per_s=batch * seq_ranks / (t_w + t_kv),
+        ttft_seconds=max(flops / (device.flops * tp), w_bytes / tp / device.bandwidth),
+        prefill_flops=flops,
+        crossover_batch=speed.crossover_batch(per_seq_gpu, weights_read),
+        work_table=speed.work_table(req.prompt, req.new_tokens),
+        vllm_flags=flags, notes=notes, sources=_sources(wd, device),
+        kv_cache_blocks=cap.blocks if cap else None,
+        kv_cache_tokens=cap.tokens if cap else None,
+        max_concurrency=cap.max_concurrency if cap else None,
+        dp_attention=req.dp_attention, kv_bytes_batch_per_gpu=batch * per_seq_gpu,
+        engine=predicted[0] if predicted else None,
+        engine_log_lines=predicted[1] if predicted else [],
+        engine_command=predicted[2] if predicted else None,
+        engine_details=predicted[3] if predicted else None,
+    )
+
+
+def _sources(wd: StorageDtype, device: Device) -> dict[str, str]:
+    return {
+        "kv_bytes_per_token": "sum over layers of K and V vectors per token x dtype bytes "
+                              "(2 x kv_heads x head_dim x bytes for GQA; kv_lora_rank + rope dim for MLA)",
+        "kv_bytes_per_sequence": "per layer: bytes/token x min(context, window) + fixed SSM state",
+        "weights_bytes": f"parameters from config.json; linear layers in {wd.name} ({wd.layout}), "
+                         f"embeddings and norms in {'fp32' if wd.bits == 32 else '16-bit'}",
+        "logits": "positions x vocab_size x 2 B: all prompt positions vs the last one only",
+        "activation_allowance": f"estimate: one {PREFILL_CHUNK}-token prefill chunk x "
+                                f"(4 x hidden + 2 x intermediate) x 2 B",
+        "runtime_overhead": "estimate: CUDA context, allocator slack, graphs (0.5 GiB on cpu)",
+        "kv_budget": "memory x utilisation - weights / TP - activations - logits - runtime "
+                     "(kvlab.engine.sizing.memory_budget, the engine's own model)",
+        "device": device.source,
+        "decode_step": "(weights read + KV of the batch) / memory bandwidth, per GPU at this TP",
+        "ttft": "max(prefill FLOPs / peak dense FLOP/s, weights / bandwidth)",
+        "crossover": "smallest batch whose cache reads >= weight reads at this context",
+        "kv_cache_blocks": "(kv_memory - fp8 scales) // (block_size x kv_bytes_per_token); "
+                           "max_concurrency = blocks / blocks one max_model_len sequence holds",
+    }
