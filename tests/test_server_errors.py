@@ -38,7 +38,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None, code: str |
     ({"temperature": 1e9}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"n": 10**6}, "n"),
     ({"seed": -3}, "seed"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"top_k": -7}, "top_k"),
     ({"prompt": ""}, None), ({"prompt": [1, -2]}, None), ({"prompt": []}, None),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logprobs": 3}, "logprobs"), ({"echo": True}, "echo"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logprobs": 21}, "logprobs"), ({"suffix": "x"}, "suffix"),
 ])
 def test_invalid_completion_fields(http, change, param):
     err = _error(http.post("/v1/completions", json={**OK, **change}), 400, param)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from kvlab.engine.engine import LLMEngine, RequestOutput
 from kvlab.models.chat import ChatTemplate, ChatTemplateError
 from kvlab.models.tokenizer import ByteTokenizer, TextTokenizer
-from kvlab.sampling import SamplingParams
+from kvlab.sampling import SamplingParams, TokenLogprob
 from kvlab.server.errors import APIError
 from kvlab.server.metrics import EngineGauges, ServerMetrics
 
@@ -45,11 +45,17 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # the new tokens' (with params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output that has a token
 
     @classmethod
     def of(cls, out: RequestOutput) -> StepOutput:
+        new = len(out.new_token_ids)
+        first = new > 0 and len(out.token_ids) == new
         return cls(out.new_text, list(out.new_token_ids), out.finished, out.finish_reason,
-                   len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids))
+                   len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids),
+                   out.logprobs[len(out.logprobs) - new:] if out.logprobs is not None else None,
+                   out.prompt_logprobs if first else None)
 
 
 class RequestStream:

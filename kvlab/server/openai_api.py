@@ -4,6 +4,10 @@ Each choice (prompt x n) is one engine request. Non-streaming responses gather t
 streaming ones interleave them as server-sent events in the order tokens arrive. Leaving a
 response early (the client went away, or a sibling choice failed) closes every choice's stream,
 which aborts its engine request and frees its blocks.
+
+Log-probabilities come from the engine (``kvlab.sampling.token_logprobs``: raw logits, fp32, as
+vLLM); here they are only dressed in OpenAI's two shapes, completions' parallel lists and chat's
+``content`` entries, streaming included.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kvlab.sampling import SamplingParams
+from kvlab.models.tokenizer import TextTokenizer
+from kvlab.sampling import SamplingParams, TokenLogprob
 from kvlab.server.bridge import EngineBridge, RequestStream, StepOutput
 from kvlab.server.errors import APIError
 from kvlab.server.schemas import (
@@ -28,15 +33,19 @@ from kvlab.server.schemas import (
     ChatChoice,
     ChatChunk,
     ChatChunkChoice,
+    ChatLogprobs,
     ChatRequest,
     ChatResponse,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
     ModelCard,
     ModelList,
     SamplingFields,
+    TopLogprob,
     Usage,
     new_id,
 )
@@ -57,7 +66,20 @@ def require_api_key(request: Request) -> None:
                        "invalid_request_error", code="invalid_api_key")
 
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+def require_json(request: Request) -> None:
+    """A POST body must be JSON. Without this check a text/plain body reaches validation as
+    bytes and the client reads "Input should be a valid dictionary", which never names the cause."""
+    ctype = request.headers.get("content-type")
+    if request.method != "POST" or ctype is None:  # no header: FastAPI reads the body as JSON
+        return
+    media = ctype.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(f"the request body must be JSON sent with Content-Type: application/json, "
+                       f"not {media or 'an empty content type'}", 415, code="unsupported_media_type")
+
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(require_json)])
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM sends this floor instead
 
 
 class SSEResponse(StreamingResponse):
@@ -152,17 +174,63 @@ async def _start(bridge: EngineBridge, stack: AsyncExitStack, prompts: list[list
     return streams
 
 
+class _Logprobs:
+    """The engine's TokenLogprobs in OpenAI's shapes; a token's text is its decoded id."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion(self, tokens: Sequence[tuple[int, TokenLogprob | None]],
+                   offset: int = 0) -> tuple[CompletionLogprobs, int]:
+        """The legacy lists for (token id, logprob) pairs whose text starts at ``offset`` of the
+        choice's text; returns them and the offset after the last token. As vLLM, each
+        top_logprobs entry lists the chosen token too, even when it is not among the top N."""
+        out = CompletionLogprobs()
+        for token_id, lp in tokens:
+            text = self._text(token_id)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if lp is None:  # the first prompt token: nothing before it to predict it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
+            top = {self._text(t): max(v, LOGPROB_FLOOR) for t, v in lp.top}
+            top.setdefault(text, max(lp.logprob, LOGPROB_FLOOR))
+            out.top_logprobs.append(top)
+        return out, offset
+
+    def _entry(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self._text(token_id)
+        return TopLogprob(token=text, logprob=max(logprob, LOGPROB_FLOOR), bytes=list(text.encode()))
+
+    def chat(self, tokens: Sequence[TokenLogprob]) -> ChatLogprobs:
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**dict(self._entry(lp.token_id, lp.logprob)),
+                             top_logprobs=[self._entry(t, v) for t, v in lp.top])
+            for lp in tokens])
+
+
 class _Tally:
-    """Text, finish reason and usage of each choice as outputs arrive."""
+    """Text, logprobs, finish reason and usage of each choice as outputs arrive."""
 
     def __init__(self, n_choices: int, n: int) -> None:
         self.n = n
         self.text = [""] * n_choices
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n_choices)]
+        self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * n_choices
         self.finish: list[str | None] = [None] * n_choices
         self.usage = Usage()
 
     def add(self, i: int, out: StepOutput) -> None:
         self.text[i] += out.text
+        self.logprobs[i] += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = out.prompt_logprobs
         if out.finished:
             self.finish[i] = out.finish_reason
             first_choice = i % self.n == 0  # a prompt is counted once, however many choices
@@ -221,20 +289,40 @@ async def completions(req: CompletionRequest, request: Request) -> CompletionRes
     _check_model(bridge, req.model)
     req.check_supported()
     prompts = _tokenize_prompts(bridge, req)
+    echoes = [p if isinstance(p, str) else bridge.tokenizer.decode(list(p)) for p in req.prompts()]
     n = req.n or 1
     params = _choice_params(req, req.max_tokens or 16, n)
     rid, model = new_id("cmpl"), bridge.model_id
+    conv = _Logprobs(bridge.tokenizer)
 
     def response(choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 
+    def choice(i: int, text: str, echo: bool, prompt_lps: Sequence[TokenLogprob | None] | None,
+               lps: Sequence[TokenLogprob], finish: str | None, offset: int = 0) -> tuple[CompletionChoice, int]:
+        """Choice i's text (after the prompt if ``echo``) and its logprobs from ``offset`` on."""
+        tokens: list[tuple[int, TokenLogprob | None]] = [(lp.token_id, lp) for lp in lps]
+        if echo:
+            text = echoes[i // n] + text
+            prompt = prompts[i // n]  # scored unless the request ended before its first token
+            tokens = list(zip(prompt, prompt_lps or [None] * len(prompt), strict=True)) + tokens
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, offset = conv.completion(tokens, offset)
+        return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish), offset
+
     if req.stream:
-        return await _stream(bridge, prompts, params, n, req.include_usage, "prompt", response,
-                             lambda i, out: response([CompletionChoice(index=i, text=out.text,
-                                                                       finish_reason=out.finish_reason)], None))
+        offsets: dict[int, int] = {}  # choice -> where its next token's text starts
+
+        def chunk(i: int, out: StepOutput) -> CompletionResponse:
+            echo = bool(req.echo) and i not in offsets  # the prompt goes with the choice's first event
+            c, offsets[i] = choice(i, out.text, echo, out.prompt_logprobs, out.logprobs or [],
+                                   out.finish_reason, offsets.get(i, 0))
+            return response([c], None)
+        return await _stream(bridge, prompts, params, n, req.include_usage, "prompt", response, chunk)
     tally = await _unless_gone(request, _collect(bridge, prompts, params, n, "prompt"))
-    return response([CompletionChoice(index=i, text=t, finish_reason=f)
-                     for i, (t, f) in enumerate(zip(tally.text, tally.finish, strict=True))], tally.usage)
+    return response([choice(i, tally.text[i], bool(req.echo), tally.prompt_logprobs[i], tally.logprobs[i],
+                            tally.finish[i])[0] for i in range(len(tally.text))], tally.usage)
 
 
 def _chat_prompt(bridge: EngineBridge, req: ChatRequest) -> list[int]:
@@ -254,10 +342,13 @@ async def chat(req: ChatRequest, request: Request) -> ChatResponse | SSEResponse
     params = _choice_params(req, max_tokens, n)
     rid, model = new_id("chatcmpl"), bridge.model_id
 
+    conv = _Logprobs(bridge.tokenizer)
+
     if req.stream:
         def chunk(i: int, out: StepOutput) -> ChatChunk:
             return ChatChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                index=i, delta=Delta(content=out.text), finish_reason=out.finish_reason)])
+                index=i, delta=Delta(content=out.text), finish_reason=out.finish_reason,
+                logprobs=conv.chat(out.logprobs) if out.logprobs is not None else None)])
 
         def final(choices: list, usage: Usage | None) -> ChatChunk:
             return ChatChunk(id=rid, model=model, choices=choices, usage=usage)
@@ -267,7 +358,8 @@ async def chat(req: ChatRequest, request: Request) -> ChatResponse | SSEResponse
         return await _stream(bridge, [ids], params, n, req.include_usage, "messages", final, chunk, first)
     tally = await _unless_gone(request, _collect(bridge, [ids], params, n, "messages"))
     return ChatResponse(id=rid, model=model, usage=tally.usage, choices=[
-        ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=f)
+        ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=f,
+                   logprobs=conv.chat(tally.logprobs[i]) if req.logprobs else None)
         for i, (t, f) in enumerate(zip(tally.text, tally.finish, strict=True))])
 
 
@@ -291,7 +383,7 @@ async def _stream(bridge: EngineBridge, prompts: list[list[int]], params: list[S
             try:
                 async for i, out in _merge(streams):
                     tally.add(i, out)
-                    if out.text or out.finished:
+                    if out.text or out.finished or out.logprobs:  # a token held back still has a logprob
                         yield _event(chunk(i, out))
             except RuntimeError as e:  # the engine failed mid-stream: the status is sent, say so in-band
                 yield _event(json.dumps(APIError(str(e), 500, "server_error").body()))

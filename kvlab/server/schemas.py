@@ -4,7 +4,10 @@ Requests are validated here, at the edge, so bounds a client can get wrong (nega
 numbers, too many stop strings, a malformed prompt) fail as one 400 naming the field, before any
 tokenizer or engine work. Unknown fields are ignored, as OpenAI-compatible servers do, so clients
 that send extras (``user``, ``logit_bias: null``) keep working; fields kvlab cannot honour
-(penalties, logprobs) are refused rather than silently dropped.
+(penalties, suffix) are refused rather than silently dropped.
+
+Log-probabilities follow vLLM: the fp32 log-softmax of the model's raw logits (before temperature
+and top-k/top-p/min-p), so they describe the model, not the sampling; -inf is sent as -9999.0.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvlab.sampling import SamplingParams
+from kvlab.sampling import MAX_LOGPROBS, SamplingParams
 from kvlab.server.errors import APIError
 
 MAX_N = 16  # choices per request: each is a sequence in the engine
@@ -48,25 +51,28 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = False  # vLLM extension: generate exactly max_tokens
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    logprobs: bool | int | None = None
 
     def check_supported(self) -> None:
         """Refuse what kvlab would otherwise ignore, so a client never gets a silent no-op."""
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise APIError(f"{name} is not supported by kvlab", param=name, code="unsupported")
-        if self.logprobs:
-            raise APIError("logprobs are not supported by kvlab", param="logprobs", code="unsupported")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token); None = not asked for."""
+        return None, None
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not s for s in stop):
             raise APIError("stop strings must not be empty", param="stop")
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
             min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=bool(self.ignore_eos))
+            stop_token_ids=stop_token_ids, ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -80,14 +86,17 @@ class CompletionRequest(SamplingFields):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
-    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    echo: bool | None = False  # the prompt before the completion (with logprobs: scored too)
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("echo", "suffix"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported by kvlab", param=name, code="unsupported")
+        if self.suffix:
+            raise APIError("suffix is not supported by kvlab", param="suffix", code="unsupported")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids), OpenAI's four forms."""
@@ -120,6 +129,16 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     add_generation_prompt: bool = True  # vLLM extension
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -144,10 +163,21 @@ class Usage(BaseModel):
 FinishReason = str | None  # stop | length | abort (the engine's), None until the last chunk
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token (prompt tokens first
+    with echo; the first prompt token has no logprob). text_offset: where each token's text
+    starts in the choice's text."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -165,10 +195,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # UTF-8 of the token's text
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -189,7 +233,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
 
 
