@@ -266,3 +266,37 @@ def test_smollm2_plan_reports_stored_and_kv_bytes(capsys):
     gg = open_gguf(model_path("smollm2-135m"))
     assert plan["stored_weights_bytes"] == sum(int(t.n_bytes) for t in gg.reader.tensors)
     assert plan["stored_weights_bytes"] < 98_362_432 < plan["weights_bytes"]  # below the file, below bf16
+
+
+def test_smollm2_served_chat_uses_the_files_template():
+    """`kvlab serve` on the default GGUF: /v1/chat/completions renders the file's ChatML template,
+    and the paged engine answers as the plain loop does."""
+    openai = pytest.importorskip("openai")
+    from kvlab.engine.options import EngineOptions
+    from kvlab.server.run import build_bridge
+    from tests.test_server_fixtures import LiveServer
+
+    bridge = build_bridge(None, EngineOptions(kv_memory="16MiB", max_model_len=512))
+    live = LiveServer(bridge)
+    try:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct.Q4_1"
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        res = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=question,
+                                             max_tokens=12, temperature=0)
+        ids = bridge.chat_template.encode(bridge.tokenizer, question)
+        assert "<|im_start|>user" in bridge.tokenizer._tok.decode(ids, skip_special_tokens=False)
+        assert res.usage.prompt_tokens == len(ids)
+        assert "Paris" in res.choices[0].message.content
+    finally:
+        live.stop()
+
+
+def test_llm_api_defaults_to_smollm2():
+    from kvlab import LLM, SamplingParams
+
+    llm = LLM(kv_memory="8MiB", max_model_len=256)
+    assert llm.engine.model.name == "SmolLM2-135M-Instruct.Q4_1"
+    out = llm.generate(["The capital of France is", [1, 2, 3]],
+                       SamplingParams(temperature=0, max_tokens=4))
+    assert [o.finish_reason for o in out] == ["length", "length"] and "Paris" in out[0].text
