@@ -1,14 +1,18 @@
-"""kvlab's main job on the bundled model: a short seeded workload through the paged engine.
+"""kvlab's main job on the default model: six chats through the paged engine, told as a story.
 
-Several chats share a system prompt (so their first blocks are computed once and then found in
-the prefix cache), and the cache is made small enough that the scheduler must preempt. The report puts what the engine did (blocks,
-tokens, prefix hits, preemptions, swaps) beside what `kvlab plan` predicts for the same settings.
+The chats share a system prompt, so the blocks of that shared opening are computed once and then
+found in the prefix cache; the cache holds about one and a half chats, so the scheduler must
+preempt: a chat leaves the cache (its blocks swapped to RAM, or dropped to be recomputed) and comes
+back when there is room. The engine is stepped here one step at a time so the report can say
+when each chat left and came back, and every figure is put beside what `kvlab plan` predicts.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from kvlab.catalog import DEFAULT_MODEL
 from kvlab.engine.llm import LLM
 from kvlab.engine.options import EngineOptions
 from kvlab.models.loader import Loaded
@@ -25,6 +29,7 @@ QUESTIONS = [
     "Name three planets of the solar system.",
     "What is the boiling point of water?",
 ]
+SPARE_BLOCKS = 3  # beyond one whole chat: room for a second chat's start, not for all six
 
 
 def conversations(loaded: Loaded) -> list[list[int]]:
@@ -35,40 +40,102 @@ def conversations(loaded: Loaded) -> list[list[int]]:
 
 
 @dataclass
+class Chat:
+    """One conversation: what was asked, what came back, what the cache did for it."""
+
+    question: str
+    answer: str
+    prompt_tokens: int  # system prompt + question, through the chat template
+    answer_tokens: int
+    cached_tokens: int  # prompt tokens found in the prefix cache (not computed)
+    preemptions: int  # times it had to leave the cache
+
+
+@dataclass
+class Move:
+    """A chat leaving the cache (preempted) or coming back, at an engine step."""
+
+    step: int
+    chat: int  # index into QUESTIONS
+    left: bool  # True: preempted; False: back in the cache
+    how: str  # "swapped out to RAM" / "dropped, to recompute" / "swapped back in" / "recomputed"
+    blocks: int  # blocks it held when it left (and gets back, copied or recomputed)
+
+
+@dataclass
 class DemoReport:
-    texts: list[tuple[str, str]]
+    model: str
+    system: str
+    shared_tokens: int  # the tokens every conversation opens with (the system prompt, templated)
+    chats: list[Chat]
+    moves: list[Move]
+    steps: int
     options: EngineOptions
-    metrics: dict
-    predicted: dict
+    max_model_len: int  # longest conversation: prompt + max_tokens
+    metrics: dict  # the engine's EngineMetrics plus kv_cache_bytes and kv_bytes_per_token
+    predicted: dict  # the same figures from kvlab plan
+    plan_command: str  # the `kvlab plan` line that predicts them
+
+
+def _track(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list[Move], int]:
+    """Run the requests step by step; note each change of a chat's place (running, swapped,
+    waiting) from the engine's block map, which is what the server's live view reads too."""
+    engine = llm.engine
+    rids = [engine.add_request(p, params) for p in prompts]
+    chat = {rid: i for i, rid in enumerate(rids)}
+    final, moves, where, held, step = {}, [], {}, {}, 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        for r in engine.block_map()["requests"]:
+            rid, status = r["id"], r["status"]
+            blocks = sum(len(t) for t in r["blocks"])
+            before = where.get(rid)
+            if before == "running" and status != "running":
+                moves.append(Move(step, chat[rid], True, "swapped out to RAM" if status == "swapped"
+                                  else "dropped, to recompute", held[rid]))
+            elif before in ("swapped", "waiting") and status == "running" and held.get(rid):
+                moves.append(Move(step, chat[rid], False, "swapped back in" if before == "swapped"
+                                  else "recomputed", held[rid]))
+            where[rid] = status
+            if status == "running":
+                held[rid] = blocks
+    return [final[rid] for rid in rids], moves, step
 
 
 def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 16,
              preemption: str = "swap-ram") -> DemoReport:
     """Answer each question (greedy) with a cache that holds one whole conversation and a little
-    more, so the others wait, share the system prompt's blocks, and get preempted as they grow;
-    collect the cache report."""
+    more, so the others wait, share the system prompt's blocks, and get preempted as they grow."""
     from kvlab.models import load
 
     loaded = load(model)
     prompts = conversations(loaded)
     longest = max(len(p) for p in prompts) + max_tokens
-    blocks = -(-longest // block_size) + 3
+    blocks = -(-longest // block_size) + SPARE_BLOCKS
     spec = loaded.model.spec
     options = EngineOptions(kv_memory=blocks * block_size * spec.kv_bytes_per_token("bf16"),
                             block_size=block_size, max_num_seqs=len(prompts),
                             max_num_batched_tokens=256, preemption=preemption,
                             max_model_len=longest)
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, **vars(options))
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    outs, moves, steps = _track(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     cap = llm.capacity
     plan = make_plan(spec, PlanRequest(context=longest, kv_dtype=cap.kv_dtype, gpu="cpu",
                                        kv_memory=options.kv_memory, block_size=block_size,
                                        max_model_len=longest))
+    name = model or DEFAULT_MODEL
     return DemoReport(
-        texts=[(q, out.text) for q, out in zip(QUESTIONS, outs)],
-        options=options,
-        metrics=vars(llm.metrics()) | {"kv_cache_bytes": cap.bytes},
+        model=loaded.model.name, system=SYSTEM,
+        shared_tokens=len(os.path.commonprefix(prompts)),
+        chats=[Chat(q, out.text, len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
+                    out.num_preemptions) for q, out in zip(QUESTIONS, outs, strict=True)],
+        moves=moves, steps=steps, options=options, max_model_len=longest,
+        metrics=vars(llm.metrics()) | {"kv_cache_bytes": cap.bytes, "kv_bytes_per_token": cap.bytes_per_token},
         predicted={"kv_cache_blocks": plan.kv_cache_blocks, "kv_cache_tokens": plan.kv_cache_tokens,
-                   "max_concurrency": plan.max_concurrency,
-                   "kv_bytes_per_token": plan.kv_bytes_per_token},
+                   "max_concurrency": plan.max_concurrency, "kv_bytes_per_token": plan.kv_bytes_per_token},
+        plan_command=(f"kvlab plan {name} --kv-dtype {cap.kv_dtype} --kv-memory {options.kv_memory} "
+                      f"--block-size {block_size} --max-model-len {longest}"),
     )

@@ -202,20 +202,72 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
 
 
 def print_demo(d: DemoReport, console: Console | None = None) -> None:
-    c = console or Console(width=max(Console().width, 110))
+    """The demo as four short screens: what was asked, what was reused, what had to leave and
+    come back, and every cache figure beside the plan's, each in one unit (bytes, then blocks)."""
+    c = console or Console(width=max(min(Console().width, 110), 80))
     o, m, p = d.options, d.metrics, d.predicted
-    c.print(f"[bold]kvlab demo[/]: {len(d.texts)} chats sharing a system prompt, greedy, "
-            f"block size {o.block_size}, KV memory {fmt_bytes(o.kv_memory)}, preemption {o.preemption}")
-    for question, answer in d.texts:
-        c.print(f"[bold]> {question}[/]\n  {answer.strip()}")
-    t = Table(title="Cache report: the engine beside the plan", title_justify="left")
-    for col in ("", "engine", "kvlab plan"):
+    bs, n = o.block_size, len(d.chats)
+    per_chat = -(-d.max_model_len // bs)
+    c.print(f"[bold]kvlab demo[/]: the KV cache of {d.model} at work: {n} chats, greedy, "
+            f"{d.steps} engine steps")
+
+    c.rule("[bold]1. What was asked", align="left")
+    c.print(f"Every chat opens with the same system prompt; through the chat template that is the same "
+            f"first [bold]{d.shared_tokens}[/] tokens of each prompt:")
+    c.print(f"  [dim]system:[/] {d.system}")
+    c.print("Then each asks its own question ([bold]prompt[/], read in one pass) and the model writes "
+            "the answer ([green]continuation[/], one token per step):")
+    for i, ch in enumerate(d.chats, 1):
+        c.print(f"  [bold]chat {i}[/] asked ({ch.prompt_tokens} prompt tokens): [bold]{ch.question}[/]")
+        c.print(f"         answered ({ch.answer_tokens} tokens): [green]{ch.answer.strip()}[/]")
+
+    c.rule("[bold]2. What was reused: the prefix cache", align="left")
+    shared_blocks = d.shared_tokens // bs
+    c.print(f"The cache stores keys and values in blocks of {bs} tokens. A full block is known by a hash "
+            f"of its tokens and of every token before it, so the {shared_blocks} full blocks of the shared "
+            f"opening ({shared_blocks * bs} tokens) are computed once and then found by the chats that "
+            f"start later (chats that start in the same step as the first compute them too); the rest "
+            f"of the opening shares a block with the question and is computed anew.")
+    for i, ch in enumerate(d.chats, 1):
+        how = "computed them all" if not ch.cached_tokens else f"computed the other {ch.prompt_tokens - ch.cached_tokens}"
+        c.print(f"  chat {i}: {ch.cached_tokens:>3} of {ch.prompt_tokens} prompt tokens from the cache, {how}")
+    hits, queries = m["prefix_cache_hits"], m["prefix_cache_queries"]
+    c.print(f"In all {hits:,} of {queries:,} prompt tokens ({hits / max(1, queries):.0%}) came from the "
+            f"cache; at most {n - 1} x {shared_blocks * bs} = {(n - 1) * shared_blocks * bs:,} could "
+            f"(every chat after the first, every shared full block).")
+
+    c.rule("[bold]3. What had to leave and come back: preemption", align="left")
+    c.print(f"The cache has {m['kv_cache_blocks']:,} blocks ({m['kv_cache_tokens']:,} tokens). A whole chat "
+            f"(prompt and {d.max_model_len - max(ch.prompt_tokens for ch in d.chats)} answer tokens, "
+            f"{d.max_model_len} tokens) needs up to {per_chat} blocks, so {n} chats would need "
+            f"{n * per_chat} without sharing. The scheduler admits chats while blocks last; when a running "
+            f"chat needs a new block and none is free, it [bold]preempts[/] the chat admitted last: that "
+            f"chat leaves the cache so the others can go on, and comes back when blocks free up.")
+    c.print("  [bold]swap[/] (--preemption swap-ram or swap-disk): its blocks are copied to RAM or disk "
+            "(swapped out) and copied back (swapped in), nothing is computed again;")
+    c.print("  [bold]recompute[/] (--preemption recompute): its blocks are dropped and its tokens computed "
+            "again when it returns. Either way its answer is the same token for token.")
+    c.print(f"This run used [bold]{o.preemption}[/]:")
+    for mv in d.moves:
+        verb = "left" if mv.left else "came back"
+        c.print(f"  step {mv.step:>3}: chat {mv.chat + 1} {verb} ({mv.how}, {mv.blocks} blocks)")
+    if not d.moves:
+        c.print("  no chat had to leave (the cache was large enough)")
+    c.print(f"{m['preemptions']} preemptions; {m['swapped_out_blocks']} block copies out and "
+            f"{m['swapped_in_blocks']} back in (one per block and layer group).")
+
+    c.rule("[bold]4. The cache beside the plan", align="left")
+    c.print(f"[dim]{d.plan_command}[/]")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("", "engine (measured)", "kvlab plan (predicted)"):
         t.add_column(col, justify="right" if col else "left")
+    eb, pb = m["kv_bytes_per_token"], p["kv_bytes_per_token"]
+    t.add_row("KV bytes per token", f"{eb:,} B", f"{pb:,} B")
+    t.add_row(f"KV bytes per {bs}-token block", f"{eb * bs:,} B", f"{pb * bs:,} B")
     t.add_row("KV blocks", f"{m['kv_cache_blocks']:,}", f"{p['kv_cache_blocks']:,}")
     t.add_row("KV token slots", f"{m['kv_cache_tokens']:,}", f"{p['kv_cache_tokens']:,}")
-    t.add_row("max concurrency at max length", f"{m['max_concurrency']:.2f}", f"{p['max_concurrency']:.2f}")
-    t.add_row("KV bytes", fmt_bytes(m["kv_cache_bytes"]), f"{p['kv_bytes_per_token']:,} B/token")
-    t.add_row("prefix cache hits", f"{m['prefix_cache_hits']:,} of {m['prefix_cache_queries']:,} prompt tokens", "")
-    t.add_row("preemptions", f"{m['preemptions']}", "")
-    t.add_row("blocks swapped out / in", f"{m['swapped_out_blocks']} / {m['swapped_in_blocks']}", "")
+    t.add_row("KV cache bytes", f"{m['kv_cache_bytes']:,} B ({fmt_iec(m['kv_cache_bytes'])})",
+              f"{p['kv_cache_blocks'] * bs * pb:,} B ({fmt_iec(p['kv_cache_blocks'] * bs * pb)})")
+    t.add_row(f"chats of {d.max_model_len} tokens at once", f"{m['max_concurrency']:.2f}",
+              f"{p['max_concurrency']:.2f}")
     c.print(t)
