@@ -208,9 +208,15 @@ def run_hf(model: CausalLM, work: Workload, batch_size: int,
     Returns (useful output tokens/s, greedy outputs)."""
     import transformers
 
+    try:  # transformers >= 5
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+
     cfg = {k: v for k, v in model.config.items() if k != "auto_map"}
     hf_cfg = transformers.AutoConfig.for_model(**cfg)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=model.dtype)
+    with no_init_weights():  # every weight is kvlab's: random init would cost ~20 s for 0.5B on 2 cores
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=model.dtype)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"transformers' model does not take kvlab's weights: {missing + unexpected}")
