@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from kvlab.engine.options import byte_size, positive_int
+
+if TYPE_CHECKING:
+    from kvlab.plan.engines.llamacpp import LlamaCppSettings
+    from kvlab.plan.engines.vllm import VllmSettings
 
 
 class UsageError(Exception):
@@ -32,16 +37,47 @@ class _Parser(argparse.ArgumentParser):
 
 # --- plan / models -----------------------------------------------------------------------------
 
+def _engine_settings(args: argparse.Namespace) -> tuple[VllmSettings | None, LlamaCppSettings | None]:
+    """(vLLM settings, llama.cpp settings) for --engine; flags of the other engine are an error."""
+    from kvlab.plan.engines.llamacpp import LlamaCppSettings
+    from kvlab.plan.engines.vllm import DEFAULT_VERSION, VllmSettings
+
+    def given(*flags: str) -> list[str]:
+        values = {f: getattr(args, f[2:].replace("-", "_")) for f in flags}
+        return [f for f, v in values.items() if v is not None and v is not False]  # -c 0 counts
+
+    llama_only = given("--ctx-size", "--cache-type-k", "--cache-type-v", "--parallel", "--kv-unified", "--swa-full")
+    vllm_only = given("--kv-cache-dtype", "--vllm-version", "--max-num-batched-tokens")
+    for flags, engine in ((llama_only, "llama.cpp"), (vllm_only, "vllm")):
+        if flags and args.engine != engine:
+            raise UsageError(f"kvlab plan: {', '.join(flags)} {'needs' if len(flags) == 1 else 'need'} "
+                             f"--engine {engine}")
+    if args.engine == "vllm":
+        return VllmSettings(max_model_len=args.max_model_len or args.context, kv_memory=args.kv_memory,
+                            gpu_memory_utilization=args.mem_util, block_size=args.block_size,
+                            kv_cache_dtype=args.kv_cache_dtype or "auto",
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            version=args.vllm_version or DEFAULT_VERSION), None
+    if args.engine == "llama.cpp":
+        return None, LlamaCppSettings(ctx_size=args.ctx_size or 0, cache_type_k=args.cache_type_k or "f16",
+                                      cache_type_v=args.cache_type_v or "f16", parallel=args.parallel,
+                                      kv_unified=args.kv_unified, swa_full=args.swa_full)
+    return None, None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kvlab.catalog import load_spec
+    from kvlab.catalog import load_spec, model_path
     from kvlab.plan import PlanRequest, make_plan
 
+    vllm, llamacpp = _engine_settings(args)
     spec = load_spec(args.model)
+    path = model_path(args.model)
     req = PlanRequest(context=args.context, users=args.users, kv_dtype=args.kv_dtype,
                       weights_dtype=args.weights_dtype, gpu=args.gpu, gpus=args.gpus, tp=args.tp,
                       mem_util=args.mem_util, gpu_memory=args.gpu_memory, prompt=args.prompt,
-                      kv_memory=args.kv_memory, block_size=args.block_size,
-                      max_model_len=args.max_model_len)
+                      kv_memory=args.kv_memory, block_size=args.block_size or 16,
+                      max_model_len=args.max_model_len, dp_attention=args.dp_attention,
+                      vllm=vllm, llamacpp=llamacpp, model_file=str(path) if path else None)
     plan = make_plan(spec, req)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
@@ -241,15 +277,33 @@ def build_parser() -> argparse.ArgumentParser:
                    "l40s, rtx-3060, rtx-4090, mi300x, b200, or cpu (this machine)")
     p.add_argument("--gpus", type=positive_int, help="GPUs in the deployment (default: --tp, else 1)")
     p.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: --gpus)")
-    p.add_argument("--mem-util", type=float, default=0.9, help="fraction of GPU memory to use (default 0.9)")
-    p.add_argument("--gpu-memory", type=byte_size, help="override the GPU's memory, e.g. 12.49GB")
+    p.add_argument("--mem-util", "--gpu-memory-utilization", dest="mem_util", type=float, default=0.9,
+                   help="fraction of GPU memory to use (default 0.9)")
+    p.add_argument("--gpu-memory", type=byte_size,
+                   help="the GPU's memory, e.g. 12.49GB; bandwidth and FLOP/s stay those of --gpu")
     p.add_argument("--prompt", type=positive_int, default=128, help="prompt length for the cache/no-cache work table")
     p.add_argument("--kv-memory", type=byte_size, metavar="BYTES",
                    help="the engine's KV budget, e.g. 2GiB: adds kv_cache_blocks/tokens and max_concurrency")
-    p.add_argument("--block-size", type=positive_int, default=16, metavar="N",
-                   help="tokens per engine KV block (default 16)")
+    p.add_argument("--block-size", type=positive_int, metavar="N",
+                   help="tokens per KV block (default: kvlab's engine 16; vLLM 128 on CPU, 16 on GPUs)")
     p.add_argument("--max-model-len", type=positive_int, metavar="N",
                    help="sequence length for max_concurrency (default: --context)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="MLA models: split the batch across TP ranks, each holding whole caches")
+    p.add_argument("--engine", choices=["vllm", "llama.cpp"],
+                   help="also print that engine's own KV-cache log line(s) and its command line")
+    p.add_argument("--vllm-version", help="the vLLM release whose log line to predict (default 0.32)")
+    p.add_argument("--kv-cache-dtype", help="vLLM's KV dtype: auto (default), fp8, fp8_e4m3, fp8_e5m2")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
+                   help="vLLM's step size (default: vllm serve's for the device)")
+    p.add_argument("-c", "--ctx-size", type=_int_arg, metavar="N",
+                   help="llama-server's context (default 0: the model's)")
+    p.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="llama.cpp K cache type (default f16)")
+    p.add_argument("-ctv", "--cache-type-v", metavar="TYPE", help="llama.cpp V cache type (default f16)")
+    p.add_argument("-np", "--parallel", type=positive_int, metavar="S",
+                   help="llama-server slots (default: 4 in one unified cache)")
+    p.add_argument("-kvu", "--kv-unified", action="store_true", help="llama.cpp: one cache for all slots")
+    p.add_argument("--swa-full", action="store_true", help="llama.cpp: full-size cache for sliding layers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 

@@ -61,13 +61,16 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     t.add_row("runtime overhead (allowance)", fmt_bytes(p.runtime_overhead_bytes), "estimate")
     c.print(t)
 
-    t = _table(f"On {p.gpu} ({fmt_bytes(p.gpu_memory_bytes)}, {p.usable_bytes_per_gpu / p.gpu_memory_bytes:.0%} usable)")
+    t = _table(f"On {p.gpu_name} ({fmt_bytes(p.gpu_memory_bytes)}, {p.usable_bytes_per_gpu / p.gpu_memory_bytes:.0%} usable)")
     t.add_row("KV budget per GPU", fmt_bytes(p.kv_budget_bytes_per_gpu), "after weights/TP and allowances")
     t.add_row(f"sequences of {p.context:,} tokens that fit", f"{p.max_sequences:,}", f"on {p.gpus} GPU(s)")
     t.add_row(f"longest context for {p.users} users", f"{p.max_context_for_users:,}" if p.max_context_for_users else "does not fit", "tokens")
     t.add_row("GPUs needed (everything)", str(p.gpus_needed) if p.gpus_needed else "> 4096", "")
     t.add_row("GPUs for the cache alone", str(p.gpus_needed_cache_only), "")
     t.add_row("valid TP sizes", ", ".join(map(str, p.valid_tp_sizes)), "")
+    if p.dp_attention:
+        t.add_row("cache of the batch per GPU", fmt_bytes(p.kv_bytes_batch_per_gpu),
+                  f"DP attention: each of the {p.tp} TP ranks holds whole caches of its share")
     c.print(t)
 
     t = _table("Speed bounds")
@@ -87,6 +90,11 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                    f"{r['work_ratio']:.1f}x")
     c.print(wt)
     c.print(f"[bold]vLLM:[/] {p.vllm_flags}")
+    if p.engine:
+        c.print(f"[bold]{p.engine} will log:[/]")
+        for line in p.engine_log_lines:
+            c.print(line, markup=False, highlight=False, soft_wrap=True)
+        c.print(f"[bold]with:[/] {p.engine_command}", highlight=False, soft_wrap=True)
     for note in p.notes:
         c.print(f"[yellow]note:[/] {note}")
 

@@ -80,12 +80,21 @@ def entries() -> dict[str, CatalogEntry]:
     return out
 
 
+def _canon(name: str) -> str:
+    """The spelling-free form of a name: no org, no "meta-", no separators, so Meta-Llama-3.1-8B,
+    llama-3.1-8b, llama3.1-8b and Llama_3.1_8B meet. Dots stay: 3.1-8b is not 31-8b."""
+    name = name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
+    return "".join(c for c in name if c not in "-_ ")
+
+
 @cache
 def _index() -> dict[str, CatalogEntry]:
+    """Every alias, HF id and their spelling-free forms. A form two models share names neither."""
     index: dict[str, CatalogEntry] = {}
     ambiguous: set[str] = set()
     for key, entry in entries().items():
-        for a in _aliases(entry.hf_id) | {key}:
+        names = _aliases(entry.hf_id) | {key}
+        for a in names | {_canon(n) for n in names}:
             if a in index and index[a] is not entry:
                 ambiguous.add(a)
             index[a] = entry
@@ -95,7 +104,16 @@ def _index() -> dict[str, CatalogEntry]:
 
 
 def find(name: str) -> CatalogEntry | None:
-    return _index().get(name.strip().lower())
+    """A catalogue model by HF id, short name or any spelling of them (case, org, "meta-",
+    hyphens and underscores, release suffixes such as -Instruct)."""
+    index = _index()
+    key = name.strip().lower()
+    if key in index:
+        return index[key]
+    for a in _aliases("x/" + key.rsplit("/", 1)[-1]):  # drop release suffixes, then spell freely
+        if _canon(a) in index:
+            return index[_canon(a)]
+    return None
 
 
 def suggestions(name: str) -> list[str]:

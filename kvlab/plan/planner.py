@@ -43,6 +43,7 @@ class PlanRequest:
     dp_attention: bool = False  # MLA: each rank holds whole caches of its share of the batch
     vllm: vllm.VllmSettings | None = None  # predict vLLM's start-up line
     llamacpp: llamacpp.LlamaCppSettings | None = None  # predict llama-server's KV line
+    model_file: str | None = None  # the file or folder planned, for the engines' command lines
 
     def validate(self, spec: ModelSpec) -> None:
         checks = [
@@ -197,10 +198,11 @@ def engine_prediction(spec: ModelSpec, req: PlanRequest, device: Device, weights
         mnbt = s.max_num_batched_tokens or vllm.default_max_num_batched_tokens(s.device, tp, device.memory_bytes)
         estimate = memory_budget(spec, device.memory_bytes, s.gpu_memory_utilization, math.ceil(weights / tp),
                                  batched_tokens=mnbt, sequences=req.users, on_gpu=s.device == "gpu").kv
-        p = vllm.predict(spec, s, spec.name, available_estimate=estimate)
+        p = vllm.predict(spec, s, req.model_file or spec.name, available_estimate=estimate)
         return f"vllm {p.version}", [p.log_line], p.command, asdict(p)
     if req.llamacpp is not None:
-        q = llamacpp.predict(spec, req.llamacpp, spec.name)
+        gguf = req.model_file if req.model_file and req.model_file.endswith(".gguf") else "MODEL.gguf"
+        q = llamacpp.predict(spec, req.llamacpp, gguf)
         return "llama.cpp b11434", q.log_lines, q.command, asdict(q)
     return None
 

