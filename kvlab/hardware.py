@@ -56,7 +56,7 @@ def with_memory(device: Device, memory_bytes: int) -> Device:
     """The same device's bandwidth and FLOP/s with `memory_bytes` of memory (`--gpu-memory`):
     the name says the memory is overridden, so no note names a part the user does not have."""
     return dataclasses.replace(
-        device, name=f"{device.name} with {memory_bytes / 1e9:,.2f} GB (--gpu-memory)",
+        device, name=f"{device.name} (memory from --gpu-memory)",
         memory_bytes=memory_bytes,
         source=f"{device.source}; memory overridden by --gpu-memory")
 

@@ -173,5 +173,6 @@ def test_dp_attention_splits_the_batch_instead_of_replicating():
 
 def test_gpu_memory_override_names_itself():
     p = make_plan(load_spec("qwen2.5-1.5b"), PlanRequest(gpu="rtx-3060", gpu_memory=12_490_000_000))
-    assert p.gpu == "rtx-3060" and "12.49 GB (--gpu-memory)" in p.gpu_name
-    assert any("bandwidth and FLOP/s stay those of --gpu rtx-3060" in n for n in p.notes)
+    assert p.gpu == "rtx-3060" and "RTX 3060" in p.gpu_name and "--gpu-memory" in p.gpu_name
+    assert p.gpu_memory_bytes == 12_490_000_000
+    assert any("12.49 GB" in n and "stay those of --gpu rtx-3060" in n for n in p.notes)

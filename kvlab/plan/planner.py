@@ -221,7 +221,8 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         notes.append(f"context {T:,} exceeds the model's max_position_embeddings "
                      f"{spec.max_position_embeddings:,}")
     if req.gpu_memory:
-        notes.append(f"--gpu-memory: {device.name}; bandwidth and FLOP/s stay those of --gpu {req.gpu}")
+        notes.append(f"--gpu-memory: {req.gpu_memory / 1e9:,.2f} GB in place of the datasheet's; "
+                     f"bandwidth and FLOP/s stay those of --gpu {req.gpu}")
 
     # 1. parallelism
     tps, tp, gpus = choose_parallelism(spec, req)
