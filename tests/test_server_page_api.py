@@ -35,7 +35,28 @@ def test_plan_is_make_plan_on_one_gpu(http):
     assert seg["weights"] == ref.weights_bytes and seg["kv"] == ref.kv_bytes_total == 4 * ref.kv_bytes_per_sequence
     assert seg["overhead"] == ref.logits_bytes_last_only + ref.activation_allowance_bytes + ref.runtime_overhead_bytes
     assert v["gpus_cache_only"] == ref.gpus_needed_cache_only and v["gpus_everything"] == ref.gpus_needed
-    assert v["max_users_per_gpu"] == ref.max_sequences and v["memory"]["fits"] is False
+    assert v["max_users"] == ref.max_sequences and v["memory"]["fits"] is False
+
+
+def test_plan_on_several_gpus_is_make_plan_with_them(http):
+    body = {"model": "llama-3.1-70b", "context": 131072, "users": 4, "gpu": "h100-sxm", "gpus": 8}
+    v = http.post("/api/plan", json=body).json()
+    ref = make_plan(load_spec("llama-3.1-70b"), PlanRequest(context=131072, users=4, gpu="h100-sxm", gpus=8))
+    assert v["plan"] == json.loads(json.dumps(ref.to_json())) and (v["gpus"], v["tp"]) == (8, 8)
+    seg = {s["key"]: s["bytes"] for s in v["memory"]["segments"]}
+    assert seg["weights"] == -(-ref.weights_bytes // 8)  # this GPU's share
+    assert seg["kv"] == ref.kv_bytes_batch_per_gpu and v["memory"]["fits"] is True
+    tp2 = http.post("/api/plan", json={**body, "tp": 2}).json()
+    assert (tp2["gpus"], tp2["tp"]) == (8, 2)
+    r = http.post("/api/plan", json={**body, "tp": 3})
+    assert r.status_code == 400
+
+
+def test_plan_reads_a_bundled_gguf_as_the_cli_does(http):
+    v = http.post("/api/plan", json={"model": "smollm2-135m", "context": 2048}).json()
+    ref = make_plan(load_spec("smollm2-135m"), PlanRequest(context=2048, gpus=1))
+    assert v["plan"] == json.loads(json.dumps(ref.to_json())) and v["plan"]["stored_weights_formats"]
+    assert {"id": "smollm2-135m", "alias": "smollm2-135m (bundled)"} in http.get("/api/options").json()["models"]
 
 
 def test_plan_from_a_pasted_config(http):

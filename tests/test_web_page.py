@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from kvlab.catalog import CONFIG_DIR
-from tests.test_server_fixtures import server  # noqa: F401
+from tests.test_server_fixtures import MODEL_ID, LiveServer, server, tiny_bridge  # noqa: F401
 
 CHROMIUM = Path("/usr/bin/chromium")
+SHOTS = Path(__file__).resolve().parent.parent / "out" / "screenshots"  # /out/ is git-ignored
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -30,6 +31,7 @@ elif not CHROMIUM.exists():
 
 @pytest.fixture(scope="module")
 def browser():
+    SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         yield b
@@ -97,7 +99,17 @@ def test_step_through_shows_what_each_side_computes(page, api):
         assert plain_row.locator(".tok.cached").count() == 0
         assert _text(page, "cache-total") == f"{step['cache']['processed_total']:,}"
         assert _text(page, "nocache-total") == f"{step['no_cache']['processed_total']:,}"
-        assert _text(page, "cache-time").endswith(" ms") and _text(page, "nocache-time").endswith(" ms")
+        assert _text(page, "cache-time").endswith((" ms", " µs", " s"))
+        # the chosen token's probability and the runners-up, as the API computed them
+        choice = step["choice"]
+        shown = _text(page, "step-choice")
+        assert f"probability of {100 * choice['p']:.1f}%" in shown
+        alts = page.locator('[data-testid="step-choice"] .alt')
+        assert alts.count() == len(choice["top"]) == 3
+        assert [alts.nth(i).locator(".p").text_content() for i in range(3)] == \
+            [f"{100 * t['p']:.1f}%" for t in choice["top"]]
+        assert choice["rank"] == 1 and choice["top"][0]["id"] == step["token"]["id"]  # greedy
+    page.screenshot(path=str(SHOTS / "step-through.png"), full_page=True)
     assert cache_row.locator(".tok").count() == p + n
     summary = _text(page, "steps-summary")
     assert f"{ref['totals']['cache']} tokens processed with the cache" in summary
@@ -116,8 +128,19 @@ def test_planner_shows_the_plan(page, api):
     _wait_stat(page, "planner-stats", "gpus_cache_only", f"{ref['gpus_cache_only']:,}")
     assert _stat(page, "planner-stats", "kv_bytes_per_token") == "320 KiB"  # 327,680 B
     assert _stat(page, "planner-stats", "gpus_everything") == f"{ref['gpus_everything']:,}"
-    assert _stat(page, "planner-stats", "max_users_per_gpu") == f"{ref['max_users_per_gpu']:,}"
+    assert _stat(page, "planner-stats", "max_users") == f"{ref['max_users']:,}"
     assert _stat(page, "planner-stats", "fits") == "no"
+    assert "one NVIDIA H100" in _text(page, "membar-legend")  # the red line's legend
+    # the same model on 8 GPUs (TP 8): the plan that fits
+    page.fill('#planner-form input[name="gpus"]', "8")
+    ref8 = api.post("/api/plan", json={"model": "meta-llama/Llama-3.1-70B", "context": 131072, "users": 4,
+                                       "kv_dtype": "bf16", "gpu": "h100-sxm", "gpus": 8}).json()
+    assert ref8["tp"] == 8 and ref8["memory"]["fits"]
+    _wait_stat(page, "planner-stats", "fits", "yes")
+    assert _stat(page, "planner-stats", "max_users") == f"{ref8['max_users']:,}"
+    page.screenshot(path=str(SHOTS / "planner-8-gpus.png"), full_page=True)
+    page.fill('#planner-form input[name="gpus"]', "1")
+    _wait_stat(page, "planner-stats", "fits", "no")
     bars = page.locator('[data-testid="membar"] .seg')
     shown = {bars.nth(i).get_attribute("data-key"): int(bars.nth(i).get_attribute("data-bytes"))
              for i in range(bars.count())}
@@ -147,25 +170,36 @@ def test_crossover_marks_the_crossover(page, api):
     point = ref["point"]
     assert _stat(page, "crossover-point", "dominant") == ("cache" if point["kv_s"] >= point["weights_s"] else "weights")
     for key in ("weights_s", "kv_s", "step_s"):
-        shown = _stat(page, "crossover-point", key)
-        assert shown.endswith(" ms") and float(shown[:-3]) == pytest.approx(point[key] * 1000, rel=5e-3)
+        value, unit = _stat(page, "crossover-point", key).split()
+        seconds = float(value.replace(",", "")) / {"s": 1, "ms": 1e3, "µs": 1e6}[unit]
+        assert seconds == pytest.approx(point[key], rel=5e-3) and "e+" not in value
     for chart in ("#chart-batch", "#chart-context"):
         assert page.locator(f"{chart} canvas").count() == 1
 
 
 def test_live_cache_follows_the_engine(page, api):
     page.click('nav button[data-view="live"]')
-    page.wait_for_selector('[data-testid="blockmap"] .blk')
+    page.wait_for_selector('[data-testid="poolbar"]')
     c = api.get("/api/cache").json()
-    assert page.locator('[data-testid="blockmap"] .blk').count() == c["num_blocks"] * len(c["groups"])
+    counts = page.locator('[data-testid="poolbar"] .blk')
+    assert sum(int(counts.nth(i).get_attribute("data-count")) for i in range(counts.count())) == c["num_blocks"]
+    # only blocks that hold something are drawn; the free rest is a count
+    held = c["num_blocks"] - c["stats"]["free_blocks"]
+    assert page.locator('[data-testid="blockmap"] .grid .blk').count() == held
+    assert f"{c['stats']['free_blocks']:,} free" in _text(page, "pool-summary")
     page.fill('#load-form input[name="count"]', "16")
     page.fill('#load-form input[name="max_tokens"]', "200")
     page.click('#load-form button[type="submit"]')
     # while the requests run, the map shows blocks in use, the shared prompt prefix held once by
-    # several requests, and the table lists the requests
-    page.wait_for_function("() => document.querySelectorAll('[data-testid=blockmap] .blk.shared').length > 0 && "
+    # several requests, and each request's block table (logical -> physical ids)
+    page.wait_for_function("() => document.querySelectorAll('[data-testid=blockmap] .grid .blk.shared').length > 0 && "
                            "document.querySelectorAll('[data-testid=live-requests] tbody tr').length > 1",
                            timeout=20_000)
+    page.screenshot(path=str(SHOTS / "live-cache-running.png"), full_page=True)
+    rows = page.locator('[data-testid="live-requests"] tbody tr')
+    table = rows.first.locator(".btable .blk.lbl")
+    ids = [int(table.nth(i).text_content()) for i in range(table.count())]
+    assert ids and all(0 <= b < c["num_blocks"] for b in ids)
     page.wait_for_function("() => document.querySelector('[data-testid=load-status]').textContent"
                            ".startsWith('done: 16 completed')", timeout=60_000)
     _wait_stat(page, "live-stats", "used_blocks", "0")
@@ -173,9 +207,36 @@ def test_live_cache_follows_the_engine(page, api):
     c = api.get("/api/cache").json()
     s = c["stats"]
     assert s["running"] == s["waiting"] == 0 and s["used_blocks"] == 0
-    assert page.locator('[data-testid="blockmap"] .blk.cached').count() == s["cached_blocks"] > 0
-    assert page.locator('[data-testid="blockmap"] .blk.used').count() == 0
+    assert page.locator('[data-testid="blockmap"] .grid .blk.cached').count() == s["cached_blocks"] > 0
+    assert page.locator('[data-testid="blockmap"] .grid .blk.used').count() == 0
+    assert _text(page, "pool-summary").startswith(f"0 in use (0 shared), {s['cached_blocks']:,} cached")
     assert _stat(page, "live-stats", "cached_blocks") == f"{s['cached_blocks']:,}"
     assert _stat(page, "live-stats", "preemptions") == f"{s['preemptions']:,}"
     assert _stat(page, "live-stats", "hit_rate").startswith(f"{100 * s['hit_rate']:.1f}%")
     assert page.locator('[data-testid="live-requests"] tbody tr').count() == 0
+
+
+def test_a_large_pool_reads_at_a_glance(browser, tmp_path):
+    """65,536 blocks (the default 1 GiB of a small model): one bar and the blocks in use, not a
+    wall of squares, and the request table stays on the first screen."""
+    live = LiveServer(tiny_bridge(tmp_path, kv_memory=65536 * 8 * 512))  # 8-token blocks of 512 B/token
+    try:
+        ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+        pg = ctx.new_page()
+        pg.goto(f"{live.url}/")
+        pg.wait_for_selector("body[data-ready=true]")
+        pg.click('nav button[data-view="live"]')
+        pg.wait_for_selector('[data-testid="poolbar"]')
+        assert "65,536 blocks" in pg.locator(".blockmap h3").text_content()
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ["the cache holds keys"] * 4,
+                                               "max_tokens": 8, "temperature": 0})
+        pg.wait_for_function("() => document.querySelectorAll('[data-testid=blockmap] .grid .blk.cached').length > 0")
+        assert pg.locator('[data-testid="blockmap"] .grid .blk').count() < 64
+        box = pg.locator('[data-testid="live-requests"]').bounding_box()
+        assert box is not None and box["y"] < 900  # the request table is in view
+        pg.screenshot(path=str(SHOTS / "live-cache-65536-blocks.png"), full_page=True)
+        assert pg.evaluate("document.documentElement.scrollHeight") < 1400
+        ctx.close()
+    finally:
+        live.stop()

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvlab.catalog import entries
+from kvlab.catalog import BUNDLED, entries
 from kvlab.dtypes import KV_DTYPES, WEIGHT_DTYPES
 from kvlab.hardware import get_device, gpu_names
 from kvlab.server.bridge import EngineBridge
@@ -43,6 +43,8 @@ class ModelChoice(BaseModel):
 class PlanBody(ModelChoice):
     context: int = Field(8192, ge=1, le=100_000_000)
     users: int = Field(1, ge=1, le=1_000_000)
+    gpus: int = Field(1, ge=1, le=4096)
+    tp: int | None = Field(None, ge=1, le=4096)  # None: all the GPUs
 
 
 class CrossoverBody(ModelChoice):
@@ -74,7 +76,8 @@ def options(request: Request) -> dict:
     cap = b.engine.capacity
     gpus = [{"key": k, "name": get_device(k).name if k != "cpu" else "this machine (CPU)"} for k in gpu_names()]
     return {
-        "models": [{"id": e.hf_id, "alias": e.alias} for e in entries().values()],
+        "models": [{"id": name, "alias": f"{name} (bundled)"} for name in BUNDLED]
+        + [{"id": e.hf_id, "alias": e.alias} for e in entries().values()],
         "default_model": DEFAULT_MODEL, "gpus": gpus, "kv_dtypes": list(KV_DTYPES),
         "weights_dtypes": list(WEIGHT_DTYPES),
         "served": {"id": b.model_id, "max_model_len": b.max_model_len, "block_size": cap.block_size,
@@ -85,7 +88,8 @@ def options(request: Request) -> dict:
 
 @router.post("/plan")
 def plan(body: PlanBody) -> dict:
-    return plan_view(_spec(body), body.context, body.users, body.kv_dtype, body.weights_dtype, body.gpu)
+    return plan_view(_spec(body), body.context, body.users, body.kv_dtype, body.weights_dtype, body.gpu,
+                     body.gpus, body.tp)
 
 
 @router.post("/crossover")

@@ -7,64 +7,74 @@ browser holds no formula of its own and the page cannot drift from `kvlab plan` 
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kvlab.catalog import find
+from kvlab.catalog import BUNDLED, find, load_spec
 from kvlab.generate import Generation
 from kvlab.models import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.plan import Plan, PlanRequest, make_plan
-from kvlab.sampling import SamplingParams
+from kvlab.sampling import SamplingParams, TokenLogprob
 from kvlab.server.errors import APIError
 from kvlab.spec import ModelSpec, spec_from_config
 
 MAX_SWEEP_BATCH = 1 << 16
 MAX_SWEEP_CONTEXT = 1 << 24
+RUNNERS_UP = 3  # alternatives the step-through shows beside each chosen token
 
 
 def resolve_spec(model: str | None, config: dict | None) -> ModelSpec:
-    """A catalogue model by name, or a pasted config.json. Never a path: the page is a web client,
-    and a path would let it probe the server's files."""
+    """A catalogue or bundled model by name (read as the CLI reads it: a bundled GGUF file's
+    metadata, a catalogue config.json), or a pasted config.json. Never a path: the page is a web
+    client, and a path would let it probe the server's files."""
     if config is not None:
         return spec_from_config(config, str(config.get("_name_or_path") or "pasted config.json"))
     if not model:
         raise APIError("give a catalogue model or paste a config.json", param="model")
-    entry = find(model)
-    if entry is None:
+    if model.strip().lower() not in BUNDLED and find(model) is None:
         raise APIError(f"unknown catalogue model {model!r}", 404, "not_found_error", "model",
                        "model_not_found")
-    return spec_from_config(json.loads(entry.path.read_text()), entry.hf_id)
+    return load_spec(model.strip())
 
 
-def _plan(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str, gpu: str) -> Plan:
-    """make_plan on one GPU (the views ask "per GPU"), its ValueErrors as 400s."""
+def _plan(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str, gpu: str,
+          gpus: int = 1, tp: int | None = None) -> Plan:
+    """make_plan, its ValueErrors as 400s."""
     try:
         return make_plan(spec, PlanRequest(context=context, users=users, kv_dtype=kv_dtype,
-                                           weights_dtype=weights_dtype, gpu=gpu, gpus=1))
+                                           weights_dtype=weights_dtype, gpu=gpu, gpus=gpus, tp=tp))
     except ValueError as e:
         raise APIError(str(e)) from None
 
 
 def plan_view(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str,
-              gpu: str) -> dict:
-    """The plan, plus the one-GPU memory bar split into weights / KV / logits and overhead."""
-    p = _plan(spec, context, users, kv_dtype, weights_dtype, gpu)
+              gpu: str, gpus: int = 1, tp: int | None = None) -> dict:
+    """The plan on `gpus` GPUs (TP `tp`, default all of them), plus one GPU's memory bar: its
+    share of the weights, the cache of the sequences it holds, logits, activations and runtime.
+    The weights' share is read back from the planner's budget (kv = usable - weights - the
+    rest), not computed again here."""
+    p = _plan(spec, context, users, kv_dtype, weights_dtype, gpu, gpus, tp)
     overhead = p.logits_bytes_last_only + p.activation_allowance_bytes + p.runtime_overhead_bytes
+    weights = p.usable_bytes_per_gpu - p.kv_budget_bytes_per_gpu - overhead
+    on_one = "" if p.gpus == 1 else " on this GPU"
     segments: list[dict] = [
-        {"key": "weights", "label": "weights", "bytes": p.weights_bytes},
-        {"key": "kv", "label": f"KV cache ({users} x {context:,} tokens)", "bytes": p.kv_bytes_total},
+        {"key": "weights", "label": "weights" + ("" if p.tp == 1 else f" (1/{p.tp}, TP {p.tp})"), "bytes": weights},
+        {"key": "kv", "label": f"KV cache{on_one} ({users} x {context:,} tokens in all)",
+         "bytes": p.kv_bytes_batch_per_gpu},
         {"key": "overhead", "label": "logits, activations & runtime", "bytes": overhead},
     ]
     need = sum(s["bytes"] for s in segments)
     return {
         "plan": p.to_json(),
         "memory": {"segments": segments, "total_bytes": need, "gpu_bytes": p.gpu_memory_bytes,
-                   "usable_bytes": p.usable_bytes_per_gpu, "fits": need <= p.usable_bytes_per_gpu},
+                   "usable_bytes": p.usable_bytes_per_gpu, "fits": p.max_sequences >= users},
+        "gpus": p.gpus, "tp": p.tp,
         "gpus_cache_only": p.gpus_needed_cache_only,
         "gpus_everything": p.gpus_needed,  # None: more than the planner searches (4096)
-        "max_users_per_gpu": p.max_sequences,
+        "max_users": p.max_sequences,
     }
 
 
@@ -118,14 +128,21 @@ def _token(tokenizer: TextTokenizer, token_id: int) -> dict:
     return {"id": token_id, "text": tokenizer.decode([token_id])}
 
 
+def _choice(tokenizer: TextTokenizer, lp: TokenLogprob) -> dict:
+    """The chosen token's probability and the most likely tokens at its step (raw logits)."""
+    return {"p": math.exp(lp.logprob), "rank": lp.rank,
+            "top": [{**_token(tokenizer, t), "p": math.exp(v)} for t, v in lp.top]}
+
+
 def _run(model: CausalLM, prompt: Sequence[int], params: SamplingParams,
-         use_cache: bool) -> tuple[list[int], list[dict]]:
+         use_cache: bool) -> tuple[list[int], list[dict], list[TokenLogprob | None]]:
     """Generate and record, per step, which positions went through the model and which K/V came
     from the cache. With a cache the figures are read off the real ContiguousKVCache (its length
     before and after the step); without one every step feeds the whole sequence so far."""
     gen = Generation(model, prompt, params, use_cache=use_cache)
     tokens: list[int] = []
     steps: list[dict] = []
+    logprobs: list[TokenLogprob | None] = []
     done = 0  # positions whose K/V the cache held before this step
     processed = 0
     t = time.perf_counter()
@@ -141,23 +158,28 @@ def _run(model: CausalLM, prompt: Sequence[int], params: SamplingParams,
         processed += end - start
         steps.append({"computed": [start, end], "read_from_cache": start, "processed_total": processed,
                       "seconds": now - t})
+        logprobs.append(delta.logprob)
         tokens.append(delta.token_id)
         t = time.perf_counter()
-    return tokens, steps
+    return tokens, steps, logprobs
 
 
 def step_through(model: CausalLM, tokenizer: TextTokenizer, prompt: str, max_tokens: int,
                  model_id: str) -> dict:
-    """Greedy generation on the served model twice, with and without the KV cache, step by step."""
+    """Greedy generation on the served model twice, with and without the KV cache, step by step,
+    with each chosen token's probability and runners-up. A one-token run first pays the one-time
+    costs (buffers, kernel choice) so that step 1, the same prefill in both runs, times alike."""
     ids = tokenizer.encode(prompt)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=RUNNERS_UP)
     try:
-        cached, with_cache = _run(model, ids, params, use_cache=True)
-        recomputed, without = _run(model, ids, params, use_cache=False)
+        _run(model, ids, replace(params, max_tokens=1), use_cache=True)
+        cached, with_cache, choices = _run(model, ids, params, use_cache=True)
+        recomputed, without, _ = _run(model, ids, params, use_cache=False)
     except ValueError as e:  # check_length: prompt + max_tokens beyond the model's context
         raise APIError(str(e), param="prompt", code="context_length_exceeded") from None
-    steps = [{"step": i, "token": _token(tokenizer, tok), "cache": a, "no_cache": b}
-             for i, (tok, a, b) in enumerate(zip(cached, with_cache, without, strict=False))]
+    steps = [{"step": i, "token": _token(tokenizer, tok), "choice": _choice(tokenizer, lp), "cache": a,
+              "no_cache": b}
+             for i, (tok, lp, a, b) in enumerate(zip(cached, choices, with_cache, without, strict=False))]
     return {
         "model": model_id, "prompt": [_token(tokenizer, i) for i in ids], "steps": steps,
         "same_tokens": cached == recomputed,

@@ -16,7 +16,13 @@ const fmt = {
     while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
     return `${n.toFixed(i && n < 100 ? 1 : 0)} ${units[i]}`;
   },
-  ms: (s) => (s == null ? "—" : `${(s * 1000).toPrecision(3)} ms`),
+  // a duration in the unit that keeps 3 significant digits readable: 1.31 s, 14.6 ms, 830 µs
+  time(s) {
+    if (s == null) return "—";
+    const sig = (x) => x.toLocaleString("en-US", { maximumSignificantDigits: 3 });
+    return s >= 1 ? `${sig(s)} s` : s >= 1e-3 ? `${sig(s * 1e3)} ms` : `${sig(s * 1e6)} µs`;
+  },
+  compact: (n) => (n == null ? "" : n.toLocaleString("en-US", { notation: "compact", maximumSignificantDigits: 3 })),
   pct: (x) => `${(100 * x).toFixed(1)}%`,
 };
 
@@ -69,7 +75,9 @@ function lineChart(el, { title, xLabel, yLabel, logX, series, data, markers = []
   const opts = {
     title, width: Math.max(320, el.clientWidth || 560), height: 260,
     scales: { x: { time: false, distr: logX ? 3 : 1 } },
-    axes: [{ label: xLabel }, { label: yLabel, size: 70 }],
+    // compact tick labels (1M, 16.8M) so long numbers are never cut at the chart's edges
+    axes: [{ label: xLabel, values: (u, ticks) => ticks.map(fmt.compact) },
+      { label: yLabel, size: 60, values: (u, ticks) => ticks.map(fmt.compact) }],
     series: [{ label: xLabel }, ...series],
     hooks: {
       draw: [(u) => {
@@ -80,8 +88,12 @@ function lineChart(el, { title, xLabel, yLabel, logX, series, data, markers = []
           ctx.save();
           ctx.strokeStyle = m.color; ctx.setLineDash([6, 4]); ctx.lineWidth = 2;
           ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke();
-          ctx.fillStyle = m.color; ctx.font = "12px sans-serif";
-          ctx.fillText(m.label, x + 4, u.bbox.top + 14 + 16 * i);
+          ctx.fillStyle = m.color; ctx.font = `${12 * devicePixelRatio}px sans-serif`;
+          // labels near the right edge go to the left of their line, so they are never cut
+          const w = ctx.measureText(m.label).width;
+          const right = x + 4 + w <= u.bbox.left + u.bbox.width;
+          ctx.textAlign = right ? "left" : "right";
+          ctx.fillText(m.label, right ? x + 4 : x - 4, u.bbox.top + 14 * devicePixelRatio * (1 + i));
           ctx.restore();
         });
       }],
@@ -127,13 +139,35 @@ function drawStep(i) {
   };
   fill($('[data-testid="cache-tokens"]'), st.cache);
   fill($('[data-testid="nocache-tokens"]'), st.no_cache);
+  drawChoice(st);
   $('[data-testid="cache-total"]').textContent = fmt.int(st.cache.processed_total);
   $('[data-testid="nocache-total"]').textContent = fmt.int(st.no_cache.processed_total);
-  $('[data-testid="cache-time"]').textContent = fmt.ms(st.cache.seconds);
-  $('[data-testid="nocache-time"]').textContent = fmt.ms(st.no_cache.seconds);
+  $('[data-testid="cache-time"]').textContent = fmt.time(st.cache.seconds);
+  $('[data-testid="nocache-time"]').textContent = fmt.time(st.no_cache.seconds);
   steps.marker.x = i + 1;
   steps.marker.label = `step ${i + 1}`;
   $("#steps-chart").chart?.redraw(false);
+}
+
+// The chosen token's probability and the runners-up at this step, as bars (greedy picks the top).
+function drawChoice(st) {
+  const c = st.choice;
+  const box = $('[data-testid="step-choice"]');
+  const head = document.createElement("p");
+  head.textContent = `The model gave “${st.token.text}” a probability of ${fmt.pct(c.p)}` +
+    (c.rank === 1 ? " (the most likely token, so greedy picked it). The most likely tokens were:" :
+      ` (rank ${c.rank}). The most likely tokens were:`);
+  const rows = c.top.map((t) => {
+    const row = document.createElement("div");
+    row.className = "alt" + (t.id === st.token.id ? " chosen" : "");
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    bar.style.width = `${Math.max(1, 200 * t.p)}px`;
+    row.append(tokenSpan(t, t.id === st.token.id ? "new" : "later"), bar,
+      Object.assign(document.createElement("span"), { className: "p", textContent: fmt.pct(t.p) }));
+    return row;
+  });
+  box.replaceChildren(head, ...rows);
 }
 
 async function runSteps(ev) {
@@ -170,9 +204,11 @@ function modelChoice(form) {
 
 async function runPlanner() {
   const form = $("#planner-form");
+  const tp = form.elements.tp.value;
   const v = await api("/api/plan", {
     ...modelChoice(form), context: Number(form.elements.context.value), users: Number(form.elements.users.value),
-    kv_dtype: form.elements.kv_dtype.value, gpu: form.elements.gpu.value,
+    kv_dtype: form.elements.kv_dtype.value, gpu: form.elements.gpu.value, gpus: Number(form.elements.gpus.value),
+    tp: tp ? Number(tp) : null,
   });
   $("#planner-out").hidden = false;
   const mem = v.memory;
@@ -198,16 +234,18 @@ async function runPlanner() {
     span.textContent = `${s.label}: ${fmt.bytes(s.bytes)}`;
     return span;
   }), Object.assign(document.createElement("span"), {
-    className: "key gpu", textContent: `| one ${v.plan.gpu}: ${fmt.bytes(mem.gpu_bytes)} (${fmt.bytes(mem.usable_bytes)} usable)`,
+    className: "key gpu", textContent: `one ${v.plan.gpu_name}: ${fmt.bytes(mem.gpu_bytes)} (${fmt.bytes(mem.usable_bytes)} usable)`,
   }));
   const p = v.plan;
+  const where = v.gpus === 1 ? "one GPU" : `${v.gpus} GPUs (TP ${v.tp})`;
   stats($('[data-testid="planner-stats"]'), [
     ["KV cache per token", fmt.bytes(p.kv_bytes_per_token), "kv_bytes_per_token"],
     ["KV cache per user", fmt.bytes(p.kv_bytes_per_sequence), "kv_bytes_per_sequence"],
     ["GPUs for the cache alone", fmt.int(v.gpus_cache_only), "gpus_cache_only"],
     ["GPUs for everything", v.gpus_everything == null ? "more than 4,096" : fmt.int(v.gpus_everything), "gpus_everything"],
-    ["max users per GPU", fmt.int(v.max_users_per_gpu), "max_users_per_gpu"],
-    ["fits on one GPU", mem.fits ? "yes" : "no", "fits"],
+    [`max users on ${where}`, fmt.int(v.max_users), "max_users"],
+    [`fits on ${where}`, mem.fits ? "yes" : "no", "fits"],
+    ["valid TP sizes", p.valid_tp_sizes.join(", "), "valid_tp_sizes"],
   ]);
   $('[data-testid="planner-notes"]').replaceChildren(...p.notes.map((n) => Object.assign(document.createElement("li"), { textContent: n })));
 }
@@ -236,26 +274,29 @@ async function runCrossover() {
     `${cc == null ? "— (never)" : fmt.int(cc)} tokens.`;
   const pt = v.point;
   stats($('[data-testid="crossover-point"]'), [
-    ["weight reads", fmt.ms(pt.weights_s), "weights_s"],
-    ["cache reads", fmt.ms(pt.kv_s), "kv_s"],
-    ["decode step", fmt.ms(pt.step_s), "step_s"],
+    ["weight reads", fmt.time(pt.weights_s), "weights_s"],
+    ["cache reads", fmt.time(pt.kv_s), "kv_s"],
+    ["decode step", fmt.time(pt.step_s), "step_s"],
     ["dominant", pt.kv_s >= pt.weights_s ? "cache" : "weights", "dominant"],
     ["tokens/s (batch)", fmt.int(v.tokens_per_s), "tokens_per_s"],
   ]);
-  const ms = (rows, k) => rows.map((r) => r[k] * 1000);
+  // one unit for both charts, picked by the slowest step shown: s, ms or µs
+  const top = Math.max(...v.by_batch.concat(v.by_context).map((r) => r.step_s));
+  const [unit, scale] = top >= 1 ? ["s", 1] : top >= 1e-3 ? ["ms", 1e3] : ["µs", 1e6];
+  const col = (rows, k) => rows.map((r) => r[k] * scale);
   const series = [
-    { label: "weights (ms)", stroke: "#555", width: 2 },
-    { label: "cache (ms)", stroke: "#2a7de1", width: 2 },
-    { label: "step (ms)", stroke: "#e8590c", width: 2, dash: [4, 3] },
+    { label: `weights (${unit})`, stroke: "#555", width: 2 },
+    { label: `cache (${unit})`, stroke: "#2a7de1", width: 2 },
+    { label: `step (${unit})`, stroke: "#e8590c", width: 2, dash: [4, 3] },
   ];
   lineChart($("#chart-batch"), {
-    xLabel: "batch", yLabel: "ms", logX: true, series,
-    data: [v.by_batch.map((r) => r.batch), ms(v.by_batch, "weights_s"), ms(v.by_batch, "kv_s"), ms(v.by_batch, "step_s")],
+    xLabel: "batch", yLabel: unit, logX: true, series,
+    data: [v.by_batch.map((r) => r.batch), col(v.by_batch, "weights_s"), col(v.by_batch, "kv_s"), col(v.by_batch, "step_s")],
     markers: [{ x: cb, label: `cache dominates from ${fmt.int(cb)}`, color: "#c92a2a" }, { x: batch, label: "you", color: "#2b8a3e" }],
   });
   lineChart($("#chart-context"), {
-    xLabel: "context (tokens)", yLabel: "ms", logX: true, series,
-    data: [v.by_context.map((r) => r.context), ms(v.by_context, "weights_s"), ms(v.by_context, "kv_s"), ms(v.by_context, "step_s")],
+    xLabel: "context (tokens)", yLabel: unit, logX: true, series,
+    data: [v.by_context.map((r) => r.context), col(v.by_context, "weights_s"), col(v.by_context, "kv_s"), col(v.by_context, "step_s")],
     markers: [{ x: cc, label: `cache dominates from ${fmt.int(cc)}`, color: "#c92a2a" }, { x: context, label: "you", color: "#2b8a3e" }],
   });
 }
@@ -265,36 +306,79 @@ async function runCrossover() {
 const live = { timer: null, gen: 0, inflight: 0 };
 
 const BLOCK_STATES = { f: "free", u: "used", s: "used shared", c: "cached" };
+const MAX_CELLS = 2048; // drawn blocks per pool; a bigger pool's rest is counted, not drawn
+const MAX_TABLE_CELLS = 48; // physical ids shown per request and layer group
 
-// One cell per block, created once per pool and then only re-classed where a state changed,
-// so a pool of many thousands of blocks redraws cheaply several times a second.
+function cell(state, title, label) {
+  const el = document.createElement("span");
+  el.className = `blk ${state}${label === undefined ? "" : " lbl"}`;
+  el.title = title;
+  if (label !== undefined) el.textContent = label;
+  return el;
+}
+
+// A pool of any size reads at a glance: one bar for the whole pool (in use, shared, cached,
+// free), then only the blocks that hold something, by physical id; free blocks are a count.
 function drawBlockMap(c) {
-  const map = $('[data-testid="blockmap"]');
-  const owners = new Map();
-  for (const r of c.requests) r.blocks.forEach((table, gi) => table.forEach((b) => owners.set(`${gi}:${b}`, r.id)));
-  c.groups.forEach((g, gi) => {
-    let grid = map.children[gi]?.querySelector(".grid");
-    if (!grid || grid.children.length !== g.blocks.length) {
-      const wrap = document.createElement("div");
-      wrap.className = "group";
-      const h = document.createElement("h3");
-      h.textContent = `${g.name} (${g.layers} layers)`;
-      grid = document.createElement("div");
-      grid.className = "grid";
-      for (let i = 0; i < g.blocks.length; i++) grid.append(document.createElement("span"));
-      wrap.append(h, grid);
-      if (map.children[gi]) map.children[gi].replaceWith(wrap); else map.append(wrap);
-    }
+  const owners = new Map(); // "group:block" -> request ids
+  for (const r of c.requests) {
+    r.blocks.forEach((table, gi) => table.forEach((b) => {
+      const k = `${gi}:${b}`;
+      owners.set(k, [...(owners.get(k) || []), r.id]);
+    }));
+  }
+  $('[data-testid="blockmap"]').replaceChildren(...c.groups.map((g, gi) => {
+    const counts = { used: 0, "used shared": 0, cached: 0, free: 0 };
+    const cells = [];
     for (let i = 0; i < g.blocks.length; i++) {
       const state = BLOCK_STATES[g.blocks[i]];
-      const cell = grid.children[i];
-      if (cell.className !== `blk ${state}`) cell.className = `blk ${state}`;
-      const owner = owners.get(`${gi}:${i}`);
-      const title = `block ${i}: ${state}${owner ? ` (${owner})` : ""}`;
-      if (cell.title !== title) cell.title = title;
+      counts[state]++;
+      if (state === "free" || cells.length >= MAX_CELLS) continue;
+      const who = owners.get(`${gi}:${i}`);
+      cells.push(cell(state, `physical block ${i}: ${state}${who ? ` (${who.join(", ")})` : ""}`));
     }
+    const wrap = document.createElement("div");
+    wrap.className = "group";
+    const h = document.createElement("h3");
+    h.textContent = `${g.name} (${g.layers} layers): ${fmt.int(g.blocks.length)} blocks of ${c.block_size} tokens`;
+    const bar = document.createElement("div");
+    bar.className = "poolbar";
+    bar.dataset.testid = "poolbar";
+    for (const [state, n] of Object.entries(counts)) {
+      const seg = cell(state, `${fmt.int(n)} ${state === "used shared" ? "shared" : state}`);
+      seg.style.width = `${(100 * n) / g.blocks.length}%`;
+      seg.dataset.count = n;
+      bar.append(seg);
+    }
+    const held = g.blocks.length - counts.free;
+    const say = document.createElement("p");
+    say.className = "hint";
+    say.dataset.testid = "pool-summary";
+    say.textContent = `${fmt.int(counts.used + counts["used shared"])} in use (${fmt.int(counts["used shared"])} shared), ` +
+      `${fmt.int(counts.cached)} cached, ${fmt.int(counts.free)} free. ` +
+      (held ? `The ${fmt.int(held)} that hold something, by physical id` +
+        (held > MAX_CELLS ? ` (the first ${fmt.int(MAX_CELLS)}):` : ":") : "No block holds anything.");
+    const grid = document.createElement("div");
+    grid.className = "grid";
+    grid.append(...cells);
+    wrap.append(h, bar, say, grid);
+    return wrap;
+  }));
+}
+
+// Each request's block tables: logical block i (position in the row) -> physical block id.
+function blockTables(r, c) {
+  const td = document.createElement("td");
+  r.blocks.forEach((table, gi) => {
+    const row = document.createElement("div");
+    row.className = "btable";
+    const states = c.groups[gi].blocks;
+    row.append(...table.slice(0, MAX_TABLE_CELLS).map((b, i) =>
+      cell(BLOCK_STATES[states[b]], `logical block ${i} -> physical block ${b}`, b)));
+    if (table.length > MAX_TABLE_CELLS) row.append(` +${table.length - MAX_TABLE_CELLS}`);
+    td.append(row);
   });
-  while (map.children.length > c.groups.length) map.lastChild.remove();
+  return td;
 }
 
 async function pollCache() {
@@ -314,9 +398,10 @@ async function pollCache() {
   drawBlockMap(c);
   $('[data-testid="live-requests"] tbody').replaceChildren(...c.requests.map((r) => {
     const tr = document.createElement("tr");
-    for (const v of [r.id, r.status, r.num_tokens, r.num_cached_tokens, r.blocks.map((t) => t.length).join(" + ")]) {
+    for (const v of [r.id, r.status, r.num_tokens, r.num_cached_tokens]) {
       tr.append(Object.assign(document.createElement("td"), { textContent: v }));
     }
+    tr.append(blockTables(r, c));
     return tr;
   }));
 }
