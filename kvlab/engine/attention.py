@@ -9,6 +9,10 @@ reads, per sequence, only the slots it can see:
 - decodes (one new token each): bucketed by context length (lengths within 3/4 of the bucket's
   longest share one padded SDPA), so the work follows the tokens actually cached, not the longest
   sequence of the batch.
+- sequences whose eviction policy needs attention scores (h2o, snapkv): one explicit softmax
+  pass each (``attend_scored``), which adds each key's attention mass to the sequence's scores.
+Blocks a sequence gave back (a window's past, evicted tokens) are skipped; the keys it still holds
+keep their positions, so masks are built from positions, not from slot order.
 A GPU kernel (FlashAttention's varlen / paged KV) would replace ``attend`` and reuse the metadata.
 """
 
@@ -20,19 +24,26 @@ import torch
 from torch import Tensor
 
 from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.engine.sizing import LayerGroup, cdiv
-from kvlab.models.attention import _mask, _sdpa
+from kvlab.models.attention import _mask, _sdpa, attend_scored
 
 BUCKET_RATIO = 0.75  # a decode joins a bucket if its context is >= 3/4 of the bucket's longest
 
 
 @dataclass(frozen=True)
 class SeqSpan:
-    """One sequence's part of the step: compute positions [start, start + num_tokens)."""
+    """One sequence's part of the step: compute positions [start, start + num_tokens).
+
+    For an eviction policy that needs attention scores, ``scores`` is the sequence's per-position
+    attention mass, to which this step adds the weights of the queries at positions in
+    ``voters``."""
 
     block_tables: list[list[int]]  # per group
     start: int
     num_tokens: int
+    scores: Tensor | None = None
+    voters: range = range(0)
 
 
 @dataclass(frozen=True)
@@ -52,45 +63,76 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True)
+class ScoredSpan:
+    """A sequence whose attention weights an eviction policy needs (computed without SDPA)."""
+
+    rows: slice
+    key_slots: Tensor  # [L]
+    key_positions: Tensor  # [L]
+    mask: Tensor | None  # [n, L]
+    voters: Tensor  # [n] bool: queries whose weights count
+    scores: Tensor  # the sequence's per-position attention mass, added to in place
+
+
+@dataclass(frozen=True)
 class GroupStep:
     """One layer group's view of the step."""
 
     slot_mapping: Tensor  # [T] where each new token's K/V go
     prefills: list[PrefillSpan]
     decodes: list[DecodeBucket]
+    scored: list[ScoredSpan]
 
 
-def token_slots(table: list[int], start: int, end: int, block_size: int) -> Tensor:
-    """Slots of positions [start, end) through a block table."""
+def token_slots(table: list[int], start: int, end: int, block_size: int) -> tuple[Tensor, Tensor | None]:
+    """Slots of positions [start, end) through a block table, skipping blocks given back (a
+    sliding window's past, or evicted tokens). Returns the slots and, if any block was skipped,
+    the positions they hold (None: positions start..end-1 as they are)."""
     first = start // block_size
-    blocks = torch.tensor(table[first:cdiv(end, block_size)], dtype=torch.long)
+    part = table[first:cdiv(end, block_size)]
+    blocks = torch.tensor(part, dtype=torch.long)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
-    return slots[start - first * block_size:end - first * block_size]
+    lo, hi = start - first * block_size, end - first * block_size
+    if NULL_BLOCK not in part:
+        return slots[lo:hi], None
+    positions = torch.arange(first * block_size, first * block_size + len(part) * block_size)
+    keep = (blocks != NULL_BLOCK).repeat_interleave(block_size)
+    keep[:lo] = False
+    keep[hi:] = False
+    return slots[keep], positions[keep]
 
 
 def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, block_size: int,
                      device: torch.device | str) -> GroupStep:
     """Slot mapping, prefill spans and decode buckets of one group for this step."""
     window = group.window
-    mapping, prefills, decodes = [], [], []
+    mapping, prefills, decodes, scored = [], [], [], []
     row = 0
     for span in spans:
         start, n = span.start, span.num_tokens
         end = start + n
         k_start = 0 if window is None else max(0, start - window + 1)
-        slots = token_slots(span.block_tables[group_idx], k_start, end, block_size)
+        slots, kept_pos = token_slots(span.block_tables[group_idx], k_start, end, block_size)
         mapping.append(slots[-n:])
-        if n == 1:
+        k_pos = kept_pos if kept_pos is not None else torch.arange(k_start, end)
+        q_pos = torch.arange(start, end)
+        if span.scores is not None:
+            voters = (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
+            mask = _mask(q_pos, k_pos, window) if n > 1 else None
+            scored.append(ScoredSpan(slice(row, row + n), slots.to(device), k_pos.to(device),
+                                     None if mask is None else mask.to(device), voters.to(device),
+                                     span.scores))
+        elif n == 1:
             decodes.append((row, slots))
         else:
-            causal = start == 0 and (window is None or window >= n)
+            causal = start == 0 and kept_pos is None and (window is None or window >= n)
             mask = None
             if not causal:
-                mask = _mask(torch.arange(start, end), torch.arange(k_start, end), window).to(device)
+                mask = _mask(q_pos, k_pos, window).to(device)
             prefills.append(PrefillSpan(slice(row, row + n), slots.to(device), mask, causal))
         row += n
-    buckets = _buckets(decodes, device, all_rows=not prefills)
-    return GroupStep(torch.cat(mapping).to(device), prefills, buckets)
+    buckets = _buckets(decodes, device, all_rows=not prefills and not scored)
+    return GroupStep(torch.cat(mapping).to(device), prefills, buckets, scored)
 
 
 def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str,
@@ -144,4 +186,8 @@ class PagedAttention:
             keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
             o = _sdpa(q[b.rows][:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)
             out[b.rows] = o[:, :, 0]
+        for s in step.scored:
+            keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, L, D]
+            out[s.rows], mass = attend_scored(q[s.rows], keys, vals, s.mask, s.voters)
+            s.scores.index_add_(0, s.key_positions, mass)
         return out

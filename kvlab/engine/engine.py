@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.eviction import EvictionPolicy
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.options import EngineOptions
@@ -69,6 +70,8 @@ class EngineMetrics:
     swapped_out_blocks: int
     swapped_in_blocks: int
     swap_fallbacks: int  # swap-outs the host pool could not take (disk full): recomputed instead
+    evicted_blocks: int  # given back by the --kv-policy (per layer group's table)
+    evicted_tokens: int
     running: int
     waiting: int
     swapped: int
@@ -142,9 +145,14 @@ class LLMEngine:
                                f"{self.capacity.bytes} B")
         if swap:
             self.cache.attach_host_pool(blocks, "ram" if options.preemption == "swap-ram" else "disk")
+        self.eviction = EvictionPolicy(options.kv_policy, options.kv_budget)
+        if self.eviction.active and any(g.window is not None for g in groups):
+            raise ValueError(f"--kv-policy {self.eviction.name}: {spec.name} has sliding-window layers, "
+                             f"which evict by their window already; use --kv-policy full")
+        self.eviction.check_unit(options.block_size)
         self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
-                                   max_model_len, swap)
-        self.runner = ModelRunner(model, self.cache)
+                                   max_model_len, swap, self.eviction)
+        self.runner = ModelRunner(model, self.cache, self.eviction)
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
         self.swap_fallbacks = 0
@@ -322,7 +330,9 @@ class LLMEngine:
             kv_usage=kv.usage, prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
             swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
-            swap_fallbacks=self.swap_fallbacks, running=len(s.running), waiting=s.num_waiting, swapped=s.num_swapped)
+            swap_fallbacks=self.swap_fallbacks, evicted_blocks=s.num_evicted_blocks,
+            evicted_tokens=s.num_evicted_tokens, running=len(s.running), waiting=s.num_waiting,
+            swapped=s.num_swapped)
 
     def block_map(self) -> dict:
         """A snapshot of the block pools for drawing: per layer group one letter per block (f

@@ -53,12 +53,16 @@ class KVCacheManager:
             return 0
         return max(0, position - group.window + 1) // self.block_size
 
-    def max_chunk(self, start: int, num_tokens: int) -> int:
+    def max_chunk(self, start: int, num_tokens: int, seq: Sequence | None = None) -> int:
         """Cap a chunk starting at `start` so that each group's span fits in its pool: a sliding
-        group holds the window before the chunk plus the chunk, never more than the pool."""
-        for g in self.groups:
-            first = self._first_needed_block(g, start)
-            num_tokens = min(num_tokens, (self.num_blocks + first) * self.block_size - start)
+        group holds the window before the chunk plus the chunk, a sequence under eviction what it
+        kept plus the chunk, never more than the pool."""
+        for gi, g in enumerate(self.groups):
+            given_back = self._first_needed_block(g, start)
+            tables = (seq.block_tables or seq.host_tables) if seq is not None else []
+            if tables:
+                given_back = max(given_back, tables[gi].count(NULL_BLOCK))
+            num_tokens = min(num_tokens, (self.num_blocks + given_back) * self.block_size - start)
         return num_tokens
 
     # --- prefix cache ---------------------------------------------------------------------------
@@ -93,8 +97,9 @@ class KVCacheManager:
         return PrefixHit(n * bs, tables)
 
     def cache_computed(self, seq: Sequence) -> None:
-        """Offer the sequence's newly computed full blocks to the prefix cache."""
-        if not self.prefix_caching:
+        """Offer the sequence's newly computed full blocks to the prefix cache (never once the
+        sequence has evicted tokens: what it computes since saw a shortened past)."""
+        if not self.prefix_caching or seq.lossy:
             return
         n = seq.num_computed_tokens // self.block_size
         if n <= seq.num_hashed_blocks:
@@ -115,6 +120,22 @@ class KVCacheManager:
             if gone:
                 pool.release(reversed(gone))
                 table[:first] = [NULL_BLOCK] * first
+
+    def evict(self, seq: Sequence, keep: list[bool]) -> int:
+        """Give back the blocks of ``seq`` whose ``keep`` flag is False (one flag per block of its
+        tables; every group is full attention). Blocks already offered to the prefix cache stay
+        findable there until reused: they were computed from the full text. Returns the blocks
+        given back."""
+        freed = 0
+        for pool, table in zip(self.pools, seq.block_tables):
+            gone = [i for i, k in enumerate(keep) if not k and table[i] != NULL_BLOCK]
+            pool.release(table[i] for i in reversed(gone))
+            for i in gone:
+                table[i] = NULL_BLOCK
+            freed += len(gone)
+        if freed:
+            seq.lossy = True
+        return freed
 
     def _needs(self, seq: Sequence, num_new: int, hit: PrefixHit | None) -> list[int]:
         """Blocks each pool must hand out to compute `num_new` more tokens of `seq`."""
@@ -184,6 +205,7 @@ class KVCacheManager:
             free.extend(b for b in table if b != NULL_BLOCK)
         seq.block_tables, seq.host_tables = [], []
         seq.num_hashed_blocks = 0
+        seq.lossy = False
 
     def swap_out(self, seq: Sequence) -> BlockCopies | None:
         """Move `seq`'s blocks to the host pool: returns (device, host) copies to run before the
@@ -210,6 +232,10 @@ class KVCacheManager:
         seq.num_hashed_blocks = 0
         self.swapped_out_blocks += sum(map(len, copies))
         return copies
+
+    def held_blocks(self, seq: Sequence) -> list[bool]:
+        """Which blocks of the sequence's tables it still holds (first group's view)."""
+        return [b != NULL_BLOCK for b in seq.block_tables[0]] if seq.block_tables else []
 
     # --- figures --------------------------------------------------------------------------------
     @property

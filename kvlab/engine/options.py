@@ -7,6 +7,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kvlab.eviction import POLICIES, EvictionPolicy, parse_budget
 from kvlab.units import parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap-ram", "swap-disk")
@@ -40,6 +41,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _budget(text: str) -> int | float:
+    try:
+        return parse_budget(text)  # type: ignore[return-value]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _opt(default: Any, help: str, **flag: Any) -> Any:
     return field(default=default, metadata={"help": help, **flag})
 
@@ -67,6 +75,12 @@ class EngineOptions:
     prefix_caching: bool = _opt(True, "turn prefix caching off (on by default: full blocks of "
                                 "earlier requests are kept and reused)",
                                 flag="--no-prefix-caching", action="store_false")
+    kv_policy: str = _opt("full", "token eviction: full (none), window, streaming (sinks + window), "
+                          "h2o (heavy hitters + window), snapkv (prompt votes + window)",
+                          choices=POLICIES)
+    kv_budget: int | float | None = _opt(
+        None, "tokens each sequence keeps under --kv-policy (256), or a ratio of its context (0.25)",
+        type=_budget, metavar="N|RATIO")
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_memory, str):
@@ -81,6 +95,7 @@ class EngineOptions:
             raise ValueError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        EvictionPolicy(self.kv_policy, self.kv_budget)  # raises a one-line ValueError
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption!r}")

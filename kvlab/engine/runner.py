@@ -13,16 +13,20 @@ import torch
 from torch import Tensor
 
 from kvlab.engine.attention import PagedAttention, SeqSpan
+from kvlab.eviction import EvictionPolicy
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.scheduler import SchedulerOutput
+from kvlab.engine.sequence import Sequence
 from kvlab.hardware import available_memory
 from kvlab.models.llama import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache,
+                 eviction: EvictionPolicy = EvictionPolicy()) -> None:
         self.model = model
         self.cache = cache
+        self.eviction = eviction
         self.attn = PagedAttention(cache)
         # bf16 on CPU: packed weight copies make decode matmuls ~1.5x faster (bit-identical);
         # they cost the linear weights' bytes once more, so only when RAM has ample room.
@@ -58,7 +62,7 @@ class ModelRunner:
             positions.append(torch.arange(chunk.start, end))
             if chunk.samples:
                 last.append(len(ids) - 1)
-            spans.append(SeqSpan(seq.block_tables, chunk.start, chunk.num_tokens))
+            spans.append(self._span(seq, chunk.start, chunk.num_tokens))
         self.attn.prepare(spans, device)
         rows = last + [i for _, r in scored.values() for i in r]
         logits = self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device),
@@ -70,3 +74,21 @@ class ModelRunner:
             at += len(r)
         return logits[:len(last)], prompt
 
+    def _span(self, seq: Sequence, start: int, num_tokens: int) -> SeqSpan:
+        """The chunk's span; with a scoring eviction policy, the sequence's attention scores and
+        the queries that vote (h2o: every query; snapkv: the prompt's last obs_window)."""
+        if not self.eviction.needs_scores:
+            return SeqSpan(seq.block_tables, start, num_tokens)
+        if seq.scores is None or seq.scores.numel() < seq.num_tokens:
+            grown = torch.zeros(max(2 * seq.num_tokens, 64), dtype=torch.float32, device=self.model.device)
+            if seq.scores is not None:
+                grown[:seq.scores.numel()] = seq.scores
+            seq.scores = grown
+        if self.eviction.name == "snapkv":
+            p = seq.num_prompt_tokens
+            voters = range(max(0, p - self.eviction.obs_window), p)
+            if start >= p:  # decoding: the votes were cast; plain attention is enough
+                return SeqSpan(seq.block_tables, start, num_tokens)
+        else:
+            voters = range(0, seq.num_tokens + 1)
+        return SeqSpan(seq.block_tables, start, num_tokens, seq.scores, voters)

@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from kvlab.eviction import EvictionPolicy
 from kvlab.engine.kv_manager import BlockCopies, KVCacheManager
 from kvlab.engine.sequence import SeqStatus, Sequence
+from kvlab.engine.sizing import cdiv
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, swap: bool = False) -> None:
+                 max_model_len: int, swap: bool = False,
+                 eviction: EvictionPolicy = EvictionPolicy()) -> None:
         self.kv = kv
+        self.eviction = eviction
+        self.num_evicted_blocks = 0
+        self.num_evicted_tokens = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -74,6 +82,8 @@ class Scheduler:
                              f"{self.max_model_len}")
         final = min(prompt + seq.max_tokens, self.max_model_len)
         positions = max(prompt, final - 1)  # the last sampled token's K/V is never computed
+        positions = self.eviction.max_tokens_held(prompt, positions, self.max_num_batched_tokens,
+                                                  self.kv.block_size)
         need = self.kv.blocks_needed(positions)
         if need > self.kv.num_blocks:
             bs = self.kv.block_size
@@ -121,7 +131,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
-            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget))
+            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget), seq)
             while not self.kv.can_allocate(seq, n):
                 victim = self.running.pop()  # latest admitted
                 self._preempt(victim, out)
@@ -141,7 +151,8 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.kv.find_prefix(seq) if seq.status is SeqStatus.WAITING else None
             start = hit.tokens if hit is not None else seq.num_computed_tokens
-            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget))
+            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget),
+                                  seq if hit is None else None)
             if not self.kv.can_allocate(seq, n, hit):
                 break
             copies = self.kv.allocate(seq, n, hit)
@@ -175,9 +186,13 @@ class Scheduler:
 
     def recompute(self, seq: Sequence) -> None:
         """Drop a preempted sequence's K/V (device and host blocks): it is computed again from
-        its tokens (and prefix-cache hits) when next admitted."""
+        its tokens (and prefix-cache hits) when next admitted. Under an eviction policy that
+        rebuilds the lossy cache from the tokens (the policy runs again over them), so what
+        follows may differ from a run never preempted; a swap restores it exactly."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        if seq.scores is not None:
+            seq.scores.zero_()
         seq.status = SeqStatus.WAITING
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
@@ -186,5 +201,21 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
             self.kv.cache_computed(seq)
+            self._evict(seq)
             if chunk.samples:
                 seq.append(sampled[seq.request_id])
+
+    def _evict(self, seq: Sequence) -> None:
+        """Apply the eviction policy to what ``seq`` has computed: blocks go back to the pool."""
+        policy, n, bs = self.eviction, seq.num_computed_tokens, self.kv.block_size
+        if not policy.active or (policy.name == "snapkv" and n < seq.num_prompt_tokens):
+            return  # snapkv compresses once the whole prompt is in
+        held = self.kv.held_blocks(seq)[:cdiv(n, bs)]
+        kept = torch.tensor(held, dtype=torch.bool)
+        keep = policy.keep(kept, n, bs, seq.scores)
+        if bool((keep == kept).all()):
+            return
+        freed = self.kv.evict(seq, keep.tolist() + [True] * (len(self.kv.held_blocks(seq)) - len(held)))
+        self.num_evicted_blocks += freed
+        self.num_evicted_tokens += freed * bs
+        seq.num_evicted_tokens += freed * bs

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from kvlab.engine.block_pool import hash_block
 
 NULL_BLOCK = -1  # a block-table entry a sliding window has given back
@@ -34,6 +36,12 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
     admitted: int = -1  # admission order; the scheduler preempts the latest first
     num_preemptions: int = 0
+    # eviction: per-position attention mass (policies that score), tokens given back, and
+    # whether any were: K/V computed after that saw a shortened past, so they are never offered
+    # to the prefix cache (their hash names the full text)
+    scores: Tensor | None = field(default=None, repr=False)
+    num_evicted_tokens: int = 0
+    lossy: bool = False
     num_prompt_tokens: int = field(init=False)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 

@@ -11,19 +11,22 @@ untouched. The caller prepares the backend's per-step state (which tokens go whe
 forward pass; the backend reads per-layer shapes and windows from the same ``ModelSpec`` the
 planner uses.
 
-Two backends live here:
+Three backends live here:
 - ``NoCache``: plain causal attention over exactly the tokens given (recompute everything).
 - ``ContiguousKVCache``: gpt-fast style, one K and one V tensor per layer allocated once.
+- ``EvictingKVCache``: one sequence under a token eviction policy (``kvlab.eviction``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab.eviction import EvictionPolicy
 from kvlab.spec import LayerSpec, ModelSpec
 
 
@@ -66,6 +69,40 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool 
         return out.reshape(b, h, 1, d)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=kv != h)
+
+
+SCORE_CHUNK = 256  # query rows per pass when attention weights are needed (bounds the memory)
+
+
+def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
+                  voters: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Attention that also says where it went, for eviction policies.
+
+    q [n, H, D]; keys/vals [KV, L, D]; mask [n, L] (True = may attend) or None (every query sees
+    every key); voters [n] bool: the queries whose weights count (None: all). Returns the output
+    [n, H, D] and the attention mass per key [L] (fp32, summed over heads and voting queries).
+    Queries go in chunks of ``SCORE_CHUNK`` rows, so the weights held at once are [H, chunk, L],
+    never [H, n, L] for a long prompt.
+    """
+    n, h, d = q.shape
+    kv, length = keys.shape[0], keys.shape[1]
+    group = h // kv
+    out = torch.empty_like(q)
+    mass = torch.zeros(length, dtype=torch.float32, device=q.device)
+    kf, vf = keys.float(), vals.float()
+    for a in range(0, n, SCORE_CHUNK):
+        b = min(n, a + SCORE_CHUNK)
+        qc = q[a:b].float().transpose(0, 1).reshape(kv, group * (b - a), d)  # heads of a group together
+        logits = torch.bmm(qc, kf.transpose(1, 2)) / math.sqrt(d)  # [KV, G*(b-a), L]
+        logits = logits.view(kv, group, b - a, length)
+        if mask is not None:
+            logits = logits.masked_fill(~mask[a:b][None, None], float("-inf"))
+        w = torch.softmax(logits, dim=-1)
+        o = torch.bmm(w.view(kv, group * (b - a), length), vf).view(kv, group, b - a, d)
+        out[a:b] = o.reshape(h, b - a, d).transpose(0, 1).to(q.dtype)
+        counted = w if voters is None else w * voters[a:b].to(w.dtype)[None, None, :, None]
+        mass += counted.sum(dim=(0, 1, 2))
+    return out, mass
 
 
 def _to_heads(x: Tensor, batch: int) -> Tensor:
@@ -202,3 +239,91 @@ class ContiguousKVCache:
         kc.index_copy_(2, idx, kb[:, :, n - keep:])
         vc.index_copy_(2, idx, vb[:, :, n - keep:])
         return _from_heads(out)
+
+
+class EvictingKVCache:
+    """One sequence's cache under a token eviction policy, one token per unit: the reference the
+    paged engine's block-granular eviction is measured against.
+
+    Per layer K and V hold only the kept tokens, compacted after each ``evict()``; each keeps the
+    position (and so the RoPE rotation) it was written with. Capacity: the budget plus the
+    largest step, never the whole text.
+    """
+
+    def __init__(self, spec: ModelSpec, policy: EvictionPolicy, capacity: int, num_prompt_tokens: int,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+        if any(_window(layer) for layer in spec.layers):
+            raise ValueError(f"{spec.name} has sliding-window layers; token eviction needs full attention")
+        self.spec, self.policy, self.capacity = spec, policy, capacity
+        self.num_prompt_tokens = num_prompt_tokens
+        self.k = [torch.zeros(layer.kv_heads, capacity, layer.head_dim, dtype=dtype, device=device)
+                  for layer in spec.layers]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.held = 0  # kept tokens in the tensors
+        self.seen = 0  # positions written so far (kept or evicted)
+        self.scores = torch.zeros(0, dtype=torch.float32, device=device)
+        self._n = 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the tokens held now (what a compacting cache needs)."""
+        per_token = sum(t.shape[0] * t.shape[2] * t.element_size() for t in self.k + self.v)
+        return self.held * per_token
+
+    def prepare(self, num_tokens: int, device: torch.device | str | None = None) -> Tensor:
+        if self.held + num_tokens > self.capacity:
+            raise ValueError(f"eviction cache full: {self.held} kept + {num_tokens} new > {self.capacity}")
+        start = self.seen
+        self.positions[self.held:self.held + num_tokens] = torch.arange(start, start + num_tokens)
+        self._n = num_tokens
+        if self.policy.needs_scores and self.scores.numel() < start + num_tokens:
+            grown = torch.zeros(2 * (start + num_tokens), dtype=torch.float32, device=self.scores.device)
+            grown[:self.scores.numel()] = self.scores
+            self.scores = grown
+        return torch.arange(start, start + num_tokens, device=device or self.positions.device)
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n, end = self._n, self.held + self._n
+        self.k[layer_idx][:, self.held:end] = k.transpose(0, 1)
+        self.v[layer_idx][:, self.held:end] = v.transpose(0, 1)
+        keys, vals = self.k[layer_idx][:, :end], self.v[layer_idx][:, :end]
+        k_pos = self.positions[:end]
+        q_pos = k_pos[self.held:]
+        mask = _mask(q_pos, k_pos, None) if n > 1 else None
+        voters = self._voters(q_pos)
+        if voters is not None:
+            out, mass = attend_scored(q, keys, vals, mask, voters)
+            self.scores.index_add_(0, k_pos, mass)
+            return out
+        o = _sdpa(q.transpose(0, 1)[None], keys[None], vals[None],
+                  None if mask is None else mask[None, None])
+        return o[0].transpose(0, 1)
+
+    def _voters(self, q_pos: Tensor) -> Tensor | None:
+        if self.policy.name == "h2o":
+            return torch.ones_like(q_pos, dtype=torch.bool)
+        if self.policy.name == "snapkv":
+            first = self.num_prompt_tokens - self.policy.obs_window
+            voters = (q_pos >= first) & (q_pos < self.num_prompt_tokens)
+            return voters if bool(voters.any()) else None
+        return None
+
+    def evict(self) -> int:
+        """After a step: apply the policy to the tokens written so far. Returns tokens evicted."""
+        self.held += self._n
+        self.seen += self._n
+        self._n = 0
+        if not self.policy.active or (self.policy.name == "snapkv" and self.seen < self.num_prompt_tokens):
+            return 0
+        kept = torch.zeros(self.seen, dtype=torch.bool, device=self.positions.device)
+        kept[self.positions[:self.held]] = True
+        keep = self.policy.keep(kept, self.seen, 1, self.scores if self.policy.needs_scores else None)
+        stay = torch.nonzero(keep[self.positions[:self.held]], as_tuple=False).flatten()
+        gone = self.held - stay.numel()
+        if gone:
+            for t in self.k + self.v:
+                t[:, :stay.numel()] = t[:, stay]
+            self.positions[:stay.numel()] = self.positions[stay].clone()
+            self.held = stay.numel()
+        return gone

@@ -1,0 +1,216 @@
+"""What eviction (and a lossy KV dtype) costs in quality: ``kvlab evict``.
+
+Two tasks, each run per policy x budget x KV dtype on one model:
+
+- ``perplexity``: teacher-forced perplexity over a long text (default: the first four chapters of
+  Jane Austen's *Persuasion*, public domain, shipped in ``kvlab/data``). The text goes through
+  the paged engine as one prompt in chunks of ``chunk`` tokens, the policy evicting blocks
+  between chunks as it would during generation; every token after the first is scored from the
+  logits of the position before it (prompt log-probabilities). The same text also runs through
+  the plain loop's token-granular cache (``EvictingKVCache``): the difference between the two is
+  the price of evicting whole blocks. SnapKV compresses a finished prompt, and a teacher-forced
+  text is one prompt to its end, so it has no perplexity row of its own meaning (it equals full).
+- ``needle``: a pass key hidden at several depths of the text, a question at the end, greedy
+  answers from the engine, all trials batched; accuracy = answers that contain the key.
+
+Quality runs in fp32 by default: bf16 near-ties would add noise that depends on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.engine.engine import MODEL_KV_DTYPE
+from kvlab.engine.llm import LLM
+from kvlab.eviction import EvictionPolicy
+from kvlab.models.attention import EvictingKVCache
+from kvlab.models.llama import CausalLM
+from kvlab.models.tokenizer import TextTokenizer
+from kvlab.sampling import SamplingParams
+
+DEFAULT_TEXT = Path(__file__).parent / "data" / "persuasion-ch1-4.txt"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key."
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass
+class EvictRow:
+    task: str
+    policy: str
+    budget: int | float | None
+    kv_dtype: str
+    quality: float | None  # perplexity (lower is better) or needle accuracy (higher is better)
+    quality_token: float | None  # perplexity with token-granular eviction (the plain loop)
+    kv_bytes_kept: int  # peak bytes one sequence held
+    blocks_freed: int
+    tokens_evicted: int
+    seconds: float
+    trials: int = 1
+
+
+def text_ids(tokenizer: TextTokenizer, path: str | Path | None, context: int) -> list[int]:
+    ids = tokenizer.encode(Path(path or DEFAULT_TEXT).read_text())
+    if len(ids) < context:
+        raise ValueError(f"{path or DEFAULT_TEXT} has {len(ids)} tokens, fewer than --context {context}")
+    return ids[:context]
+
+
+def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_dtype: str,
+         block_size: int, chunk: int, context: int, sequences: int) -> LLM:
+    stored = MODEL_KV_DTYPE[model.dtype] if kv_dtype == "auto" else kv_dtype
+    blocks = sequences * (math.ceil(context / block_size) + 2)  # room for every policy, full too
+    return LLM(model, tokenizer=tokenizer, kv_policy=policy.name, kv_budget=policy.budget,
+               kv_dtype=kv_dtype, block_size=block_size, max_num_batched_tokens=chunk,
+               max_num_seqs=sequences, max_model_len=context + 16, prefix_caching=False,
+               kv_memory=blocks * block_size * model.spec.kv_bytes_per_token(stored))
+
+
+def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
+    """Run while watching the engine: (peak blocks one sequence held, seconds)."""
+    peak = 0
+    step = llm.engine.step
+
+    def watched():
+        nonlocal peak
+        outs = step()
+        peak = max(peak, llm.engine.kv.num_used_blocks)
+        return outs
+    llm.engine.step = watched  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    try:
+        run()
+    finally:
+        llm.engine.step = step  # type: ignore[method-assign]
+    return peak, time.perf_counter() - t0
+
+
+def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
+                      kv_dtype: str, block_size: int, chunk: int) -> EvictRow:
+    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids), 1)
+    result = {}
+
+    def run():
+        result["out"] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    peak, seconds = _peak(llm, run)
+    scored = [lp.logprob for lp in result["out"].prompt_logprobs if lp is not None]
+    m = llm.metrics()
+    return EvictRow("perplexity", policy.name, policy.budget, llm.capacity.kv_dtype,
+                    math.exp(-sum(scored) / len(scored)), None,
+                    peak * block_size * llm.capacity.bytes_per_token, m.evicted_blocks,
+                    m.evicted_tokens, seconds)
+
+
+@torch.inference_mode()
+def perplexity_loop(model: CausalLM, ids: list[int], policy: EvictionPolicy, chunk: int) -> float:
+    """The same perplexity with token-granular eviction in the plain loop's compacting cache."""
+    held = policy.max_tokens_held(len(ids), len(ids), chunk, 1)
+    cache = EvictingKVCache(model.spec, policy, held, len(ids), model.dtype, model.device)
+    nll, count = 0.0, 0
+    for a in range(0, len(ids), chunk):
+        piece = torch.tensor(ids[a:a + chunk], device=model.device)
+        positions = cache.prepare(len(piece))
+        logits = model(piece, positions, cache, None).float()
+        cache.evict()
+        targets = ids[a + 1:a + 1 + len(piece)]
+        logp = torch.log_softmax(logits[:len(targets)], dim=-1)
+        nll -= float(logp[torch.arange(len(targets)), torch.tensor(targets)].sum())
+        count += len(targets)
+    return math.exp(nll / count)
+
+
+def needle_prompts(tokenizer: TextTokenizer, ids: list[int], trials: int, seed: int = 0
+                   ) -> list[tuple[list[int], str]]:
+    """``trials`` prompts of about len(ids) tokens: the text with a pass key at a depth (cycling
+    through DEPTHS), then the question. Returns (prompt ids, key)."""
+    rng = random.Random(seed)
+    question = tokenizer.encode(QUESTION)
+    out = []
+    for t in range(trials):
+        key = str(rng.randrange(10_000, 100_000))
+        needle = tokenizer.encode(NEEDLE.format(key=key))
+        room = len(ids) - len(needle) - len(question)
+        at = int(DEPTHS[t % len(DEPTHS)] * room)
+        out.append((ids[:at] + needle + ids[at:room] + question, key))
+    return out
+
+
+def needle(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
+           kv_dtype: str, block_size: int, chunk: int, trials: int) -> EvictRow:
+    prompts = needle_prompts(tokenizer, ids, trials)
+    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids) + 16, trials)
+    result = {}
+
+    def run():
+        result["outs"] = llm.generate([p for p, _ in prompts],
+                                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    peak, seconds = _peak(llm, run)
+    hits = sum(key in out.text for (_, key), out in zip(prompts, result["outs"]))
+    m = llm.metrics()
+    return EvictRow("needle", policy.name, policy.budget, llm.capacity.kv_dtype, hits / trials, None,
+                    peak * block_size * llm.capacity.bytes_per_token // trials, m.evicted_blocks,
+                    m.evicted_tokens, seconds, trials)
+
+
+def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: list[str],
+             budgets: list[int | float], kv_dtypes: list[str], *, text: str | Path | None = None,
+             context: int = 2048, block_size: int = 16, chunk: int = 64, trials: int = 20,
+             token_reference: bool = True, progress: Callable[[str], None] = lambda s: None
+             ) -> list[EvictRow]:
+    """One row per policy x budget x KV dtype (``full`` once per dtype, its budget None)."""
+    if task not in ("perplexity", "needle"):
+        raise ValueError(f"--task is perplexity or needle, not {task!r}")
+    ids = text_ids(tokenizer, text, context)
+    configs = [EvictionPolicy(p, b) for p in policies for b in ([None] if p == "full" else budgets)]
+    for c in configs:
+        c.check_unit(block_size)
+    rows = []
+    for kv_dtype in kv_dtypes:
+        for policy in configs:
+            progress(f"{task}: {policy.name} {policy.budget or ''} {kv_dtype}")
+            if task == "perplexity":
+                row = perplexity_engine(model, tokenizer, ids, policy, kv_dtype, block_size, chunk)
+                if token_reference and kv_dtype in ("auto", "fp32"):
+                    row.quality_token = perplexity_loop(model, ids, policy, chunk)
+            else:
+                row = needle(model, tokenizer, ids, policy, kv_dtype, block_size, chunk, trials)
+            rows.append(row)
+    return rows
+
+
+def rows_json(rows: list[EvictRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def plot_rows(rows: list[EvictRow], path: str | Path) -> None:
+    """Quality against KV bytes kept, one line per policy and dtype (kvpress-style)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r.policy, r.kv_dtype) for r in rows})
+    for policy, dtype in keys:
+        pts = sorted((r.kv_bytes_kept, r.quality) for r in rows
+                     if (r.policy, r.kv_dtype) == (policy, dtype) and r.quality is not None)
+        style = "o" if policy == "full" else "-o"
+        ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], style, label=f"{policy} ({dtype})")
+    task = rows[0].task if rows else ""
+    ax.set_xlabel("KV cache kept per sequence (MiB, peak)")
+    ax.set_ylabel("perplexity (lower is better)" if task == "perplexity" else "needle accuracy")
+    if task == "perplexity":
+        ax.set_yscale("log")
+    ax.set_title(f"kvlab evict: {task}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

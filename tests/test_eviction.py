@@ -1,0 +1,155 @@
+"""Token eviction: the policies' choices, blocks really given back in the paged engine, the
+token-granular loop as the reference, and how eviction meets prefix caching and preemption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvlab.cli import main
+from kvlab.engine.llm import LLM
+from kvlab.evaluate import perplexity_engine, perplexity_loop
+from kvlab.eviction import EvictionPolicy
+from kvlab.sampling import SamplingParams
+from tests.test_engine_parity import kv_bytes, prompts, tiny_model
+
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model()
+
+
+def _kept(n_units: int) -> torch.Tensor:
+    return torch.ones(n_units, dtype=torch.bool)
+
+
+def test_window_and_streaming_choices():
+    window = EvictionPolicy("window", 64).keep(_kept(10), 160, 16, None)
+    assert window.tolist() == [False] * 6 + [True] * 4  # the 4 newest blocks
+    streaming = EvictionPolicy("streaming", 64, sinks=4).keep(_kept(10), 160, 16, None)
+    assert streaming.tolist() == [True] + [False] * 6 + [True] * 3  # sink block + 3 newest
+    # under the budget nothing leaves; what left never comes back
+    assert EvictionPolicy("window", 64).keep(_kept(4), 64, 16, None).all()
+    once = torch.tensor([True, False, True, True, True, True])
+    assert not EvictionPolicy("streaming", 64, sinks=4).keep(once, 96, 16, None)[1]
+
+
+def test_h2o_keeps_heavy_hitters_and_snapkv_votes():
+    scores = torch.zeros(160)
+    scores[40:48] = 5.0  # block 2 and block 5 drew the most attention
+    scores[80:84] = 3.0
+    keep = EvictionPolicy("h2o", 64).keep(_kept(10), 160, 16, scores)
+    assert keep.tolist() == [False, False, True, False, False, True, False, False, True, True]
+    snap = EvictionPolicy("snapkv", 64, obs_window=16).keep(_kept(10), 160, 16, scores)
+    assert int(snap.sum()) == 4 and snap[2] and snap[5] and snap[9]
+
+
+def test_bad_budgets_are_one_line_errors(capsys):
+    for argv, words in [
+        (["bench", "austen-demo", "--kv-policy", "streaming", "--kv-budget", "8", "--num-requests", "1"],
+         "use at least 32"),
+        (["bench", "austen-demo", "--kv-policy", "window", "--kv-budget", "1.5", "--num-requests", "1"],
+         "ratio must be in (0, 1]"),
+        (["bench", "austen-demo", "--kv-policy", "h2o", "--num-requests", "1"], "needs --kv-budget"),
+        (["bench", "austen-demo", "--kv-policy", "lru", "--num-requests", "1"], "invalid choice"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.parametrize("policy", ["window", "streaming", "h2o", "snapkv"])
+def test_engine_gives_blocks_back_and_stays_bounded(llama, policy):
+    """A long generation under a 48-token budget never holds more than budget + one step's
+    blocks, and every block is free at the end."""
+    bs, budget = 8, 48
+    llm = LLM(llama, kv_memory=kv_bytes(llama, 64, bs), block_size=bs, kv_policy=policy,
+              kv_budget=budget, max_num_batched_tokens=16)
+    batch = prompts((40, 70))
+    for p in batch:
+        llm.engine.add_request(p, LONG)
+    most = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        for seq in llm.engine.scheduler.running:
+            held = sum(b >= 0 for b in seq.block_tables[0])
+            most = max(most, held)
+    bound = budget // bs + 1 + 16 // bs
+    if policy == "snapkv":  # holds the whole prompt before it compresses
+        bound = max(bound, -(-70 // bs))
+    assert most <= bound
+    m = llm.metrics()
+    assert m.evicted_blocks > 0 and m.evicted_tokens == m.evicted_blocks * bs
+    assert m.kv_blocks_used == 0 and llm.engine.kv.pools[0].num_available == 64
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy("window", 40), EvictionPolicy("streaming", 40),
+                                    EvictionPolicy("h2o", 40), EvictionPolicy("full")],
+                         ids=lambda p: p.name)
+def test_one_token_blocks_equal_the_token_granular_loop(llama, policy):
+    """With 1-token blocks the engine evicts exactly what the plain loop's compacting cache
+    evicts, so their perplexities agree: the reference the block-granular price is read against."""
+    ids = prompts((160,), seed=3)[0]
+    row = perplexity_engine(llama, None, ids, policy, "fp32", block_size=1, chunk=16)
+    loop = perplexity_loop(llama, ids, policy, chunk=16)
+    assert row.quality == pytest.approx(loop, rel=1e-4)
+    assert (row.blocks_freed > 0) == policy.active
+    # 16-token blocks keep whole blocks (40 tokens -> 2 blocks): a different cache, another figure
+    blocky = perplexity_engine(llama, None, ids, policy, "fp32", block_size=16, chunk=16)
+    assert (blocky.quality == pytest.approx(loop, rel=1e-4)) == (not policy.active)
+
+
+def test_lossy_blocks_are_never_served_as_a_prefix(llama):
+    """Blocks computed before the first eviction saw the full text: they stay in the prefix cache.
+    Blocks computed after it did not: never offered. A second identical request hits exactly the
+    chunks computed before the first eviction and then computes what the first did, to the same
+    tokens."""
+    bs = 8
+    llm = LLM(llama, kv_memory=kv_bytes(llama, 64, bs), block_size=bs, kv_policy="streaming",
+              kv_budget=32, max_num_batched_tokens=16)
+    prompt = prompts((100,), seed=5)[0]
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20))
+    again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20))
+    # chunks of 16: after the third (48 tokens = 6 blocks > the 32-token budget) blocks leave
+    assert again[0].num_cached_tokens == 48
+    assert again[0].token_ids == first[0].token_ids
+    fresh = LLM(llama, kv_memory=kv_bytes(llama, 64, bs), block_size=bs, kv_policy="streaming",
+                kv_budget=32, max_num_batched_tokens=16).generate(prompt, SamplingParams(temperature=0, max_tokens=20))
+    assert fresh[0].token_ids == first[0].token_ids
+
+
+def test_swap_restores_an_evicted_sequence_exactly(llama):
+    """Preemption by swap moves the kept blocks out and back: the same tokens as a roomy run.
+    Recompute rebuilds the lossy cache from the tokens: it finishes, with every block free."""
+    bs, batch = 8, prompts((30, 34, 38, 26), seed=7)
+    roomy = LLM(llama, kv_memory=kv_bytes(llama, 64, bs), block_size=bs, kv_policy="streaming",
+                kv_budget=32, max_num_batched_tokens=32).generate(batch, LONG)
+    for mode in ("swap-ram", "recompute"):
+        tight = LLM(llama, kv_memory=kv_bytes(llama, 9, bs), block_size=bs, kv_policy="streaming",
+                    kv_budget=32, max_num_batched_tokens=32, preemption=mode)
+        outs = tight.generate(batch, LONG)
+        m = tight.metrics()
+        assert m.preemptions > 0 and m.kv_blocks_used == 0
+        assert all(len(o.token_ids) == LONG.max_tokens for o in outs)
+        if mode == "swap-ram":
+            assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+
+
+def test_cli_evict_table_and_json(capsys, tmp_path):
+    argv = ["evict", "austen-demo", "--context", "256", "--budgets", "64", "--chunk", "32",
+            "--policies", "full,window,streaming", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("window", 64), ("streaming", 64)]
+    full, window, streaming = rows
+    assert full["blocks_freed"] == 0 and window["blocks_freed"] > 0 and streaming["blocks_freed"] > 0
+    assert window["kv_bytes_kept"] == streaming["kv_bytes_kept"] == 64 * 2048  # fp32, 1,024 B/token in bf16
+    assert full["quality"] == pytest.approx(full["quality_token"], rel=1e-4)
+    plot = tmp_path / "evict.png"
+    assert main(argv[:-1] + ["--task", "needle", "--trials", "5", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "needle accuracy" in out and plot.stat().st_size > 0
