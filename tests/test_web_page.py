@@ -175,6 +175,17 @@ def test_crossover_marks_the_crossover(page, api):
         assert seconds == pytest.approx(point[key], rel=5e-3) and "e+" not in value
     for chart in ("#chart-batch", "#chart-context"):
         assert page.locator(f"{chart} canvas").count() == 1
+    # a step of seconds reads in seconds (not "1.31e+3 ms"), its charts in s too
+    page.select_option('#crossover-form select[name="gpu"]', "rtx-3060")
+    ref = api.post("/api/crossover", json={"model": "meta-llama/Llama-3.1-70B", "context": 32768, "batch": 32,
+                                           "kv_dtype": "bf16", "gpu": "rtx-3060"}).json()
+    assert ref["point"]["step_s"] > 1
+    page.wait_for_function("() => document.querySelector(\"[data-testid='crossover-point'] dd[data-key='step_s']\")"
+                           ".textContent.endsWith(' s')", timeout=15_000)
+    value = _stat(page, "crossover-point", "step_s").removesuffix(" s")
+    assert float(value.replace(",", "")) == pytest.approx(ref["point"]["step_s"], rel=5e-3) and "e+" not in value
+    assert page.locator("#chart-batch .u-legend").text_content().count("(s)") == 3
+    page.screenshot(path=str(SHOTS / "crossover-seconds.png"), full_page=True)
 
 
 def test_live_cache_follows_the_engine(page, api):
