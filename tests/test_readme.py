@@ -11,6 +11,7 @@ tested as it reads. What the test changes, and nothing else, is listed in FAST a
 - `make demo` and `make test` are checked with `make -n` (what they would run): running them
   here would recreate the venv and run this very suite.
 - The Python example runs with max_tokens 4.
+- Where the README shows a `$ command` with what it prints, the output must contain those lines.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ PATHS = {"./my-checkpoint/": "a checkpoint folder (config.json + tokenizer.json)
 
 
 def readme_lines(prefix: str) -> list[str]:
-    """The README's code lines (4-space indented) that start with ``prefix``."""
-    return [m.group(1).strip() for m in re.finditer(rf"^    ({re.escape(prefix)} .*)$", README, re.M)]
+    """The README's code lines (4-space indented, with or without a `$ ` prompt before them) that
+    start with ``prefix``; the lines a `$` command prints are not commands."""
+    return [m.group(1).strip() for m in re.finditer(rf"^    (?:\$ )?({re.escape(prefix)} .*)$", README, re.M)]
+
+
+def shown_output(line: str) -> list[str]:
+    """The lines the README shows under `$ line` (up to the next prompt or blank line)."""
+    m = re.search(rf"^    \$ {re.escape(line)}\n((?:    (?!\$ ).*\n)*)", README, re.M)
+    return [ln.strip() for ln in m.group(1).splitlines() if ln.strip()] if m else []
 
 
 def python_example() -> str:
@@ -115,6 +123,10 @@ def test_readme_command_runs(line, loads_once, places, capsys, tmp_path, monkeyp
     assert out.strip(), f"`{line}` printed nothing"
     if "--json" in argv:
         json.loads(out.splitlines()[-1] if argv[0] == "generate" else out)
+    flat = " ".join(out.split())
+    for shown in shown_output(line):  # what the README says it prints, "..." standing for a path
+        pattern = ".*".join(re.escape(" ".join(part.split())) for part in shown.split("..."))
+        assert re.search(pattern, flat), f"`{line}` no longer prints: {shown}"
     if "--plot" in argv:
         assert (tmp_path / argv[argv.index("--plot") + 1]).stat().st_size > 10_000
 
