@@ -76,7 +76,8 @@ function lineChart(el, { title, xLabel, yLabel, logX, series, data, markers = []
     title, width: Math.max(320, el.clientWidth || 560), height: 260,
     scales: { x: { time: false, distr: logX ? 3 : 1 } },
     // compact tick labels (1M, 16.8M) so long numbers are never cut at the chart's edges
-    axes: [{ label: xLabel, values: (u, ticks) => ticks.map(fmt.compact) },
+    // x is a count (steps, batch, tokens): no label on fractional ticks
+    axes: [{ label: xLabel, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? fmt.compact(t) : "")) },
       { label: yLabel, size: 60, values: (u, ticks) => ticks.map(fmt.compact) }],
     series: [{ label: xLabel }, ...series],
     hooks: {
