@@ -321,6 +321,23 @@ class LLMEngine:
             prompt_logprobs=req.prompt_logprobs)
 
     # --- figures --------------------------------------------------------------------------------
+    def longest_request(self) -> int:
+        """The most tokens (prompt + output) one request can reach alone in the cache:
+        max_model_len, or less when the cache is smaller. Asked of the admission check itself,
+        so it holds whatever the block size, windows or eviction policy."""
+        def admitted(total: int) -> bool:
+            try:  # a prompt of total - 1 tokens and one new token: total positions in all
+                self.scheduler.check(Sequence("\0longest-request-probe", [0] * (total - 1), 1))
+                return True
+            except ValueError:
+                return False
+
+        lo, hi = 1, self.max_model_len  # lo: known to fit (one token always does if a block exists)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if admitted(mid) else (lo, mid - 1)
+        return lo
+
     def metrics(self) -> EngineMetrics:
         c, kv, s = self.capacity, self.kv, self.scheduler
         return EngineMetrics(

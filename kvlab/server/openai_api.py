@@ -279,8 +279,11 @@ def _tokenize_prompts(bridge: EngineBridge, req: CompletionRequest) -> list[list
 
 @router.get("/models")
 async def models(request: Request) -> ModelList:
+    """max_model_len is what one request can really reach: less than the model's context when
+    `--kv-memory` leaves too few blocks for a full-length request (asked of the engine)."""
     b = bridge_of(request)
-    return ModelList(data=[ModelCard(id=b.model_id, created=b.started, max_model_len=b.max_model_len)])
+    longest = await b.call(b.engine.longest_request)
+    return ModelList(data=[ModelCard(id=b.model_id, created=b.started, max_model_len=longest)])
 
 
 @router.post("/completions", response_model=None)
