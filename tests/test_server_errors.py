@@ -127,12 +127,15 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(http, server):  # noqa: F
     assert c["stats"]["used_blocks"] == 0 and c["requests"] == []
     assert all(set(g["blocks"]) <= {"f", "c"} for g in c["groups"])  # free or cached, none in use
     assert _metric(http, 'kvlab_requests_total{finish_reason="abort"}') == before + 1
-    # a non-streaming client that gives up is noticed too
+    # a non-streaming client that gives up is noticed too: each of its 16 choices that reached the
+    # engine is aborted (on a busy machine the last ones may not have been added yet: those never are)
+    finished = _metric(http, 'kvlab_requests_total{finish_reason="length"}')
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False, "n": 16}, timeout=0.1)
     c = _wait_idle(http)
     assert c["stats"]["used_blocks"] == 0 and c["requests"] == []
-    assert _metric(http, 'kvlab_requests_total{finish_reason="abort"}') == before + 17
+    assert before + 1 <= _metric(http, 'kvlab_requests_total{finish_reason="abort"}') <= before + 17
+    assert _metric(http, 'kvlab_requests_total{finish_reason="length"}') == finished  # none ran to the end
     assert http.post("/v1/completions", json=OK).status_code == 200  # still serving
 
 

@@ -6,17 +6,23 @@ run) and for what must not happen (a leaked block, a stuck engine, a swap file l
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import glob
+import json
 import os
+import signal
 import tempfile
+import time
 
+import httpx
 import pytest
 
+from benchmarks.soak import serve_process
 from kvlab.engine.engine import LLMEngine, RequestOutput
 from kvlab.generate import generate
 from kvlab.sampling import SamplingParams
-from tests.test_server_fixtures import tiny_bridge
+from tests.test_server_fixtures import MODEL_ID, LiveServer, tiny_bridge
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROMPTS = ["the cache holds keys", "hello there, how can", "values of every earlier token",
@@ -140,3 +146,83 @@ def test_add_request_is_all_or_nothing(folder, kind):
     later = engine.add_request("values of every earlier token", GREEDY)
     assert _drain(engine)[later].text == _solo(engine, "values of every earlier token")
     _assert_idle(engine)
+
+
+async def _stream(http: httpx.AsyncClient, max_tokens: int, started: asyncio.Event) -> dict:
+    body = {"model": "austen", "prompt": "It is a truth universally acknowledged", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    events = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    return {"status": r.status_code, "done": events[-1:] == ["[DONE]"], "finish": next(filter(None, finish), None)}
+
+
+def test_sigterm_while_streaming_refuses_new_requests_ends_running_ones_and_exits_0():
+    """Three long streams on one sequence slot (two wait), SIGTERM once tokens flow: a new request
+    is refused, every stream still ends with a finish reason and [DONE] (finished, or ended at
+    the 1 s shutdown timeout), and the process exits 0."""
+    args = ["austen-demo", "--dtype", "fp32", "--threads", "1", "--max-num-seqs", "1", "--shutdown-timeout", "1",
+            "--served-model-name", "austen"]
+
+    async def scenario(server) -> tuple[list[dict], object]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            started = asyncio.Event()
+            streams = [asyncio.create_task(_stream(http, 900, started)) for _ in range(3)]
+            await asyncio.wait_for(started.wait(), 60)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            try:  # a new connection: refused once uvicorn closed its socket, else answered 503
+                async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
+                    late = (await fresh.post("/v1/completions", json={"model": "austen", "prompt": "x"})).status_code
+            except httpx.ConnectError:
+                late = "refused"
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            return results, (late, time.monotonic() - t0)
+
+    with serve_process(args) as server:
+        results, (late, ended_s) = asyncio.run(scenario(server))
+        status = server.proc.wait(30)
+    assert late in ("refused", 503)
+    assert all(r["status"] == 200 and r["done"] for r in results), results
+    assert {r["finish"] for r in results} <= {"length", "abort"} and "abort" in {r["finish"] for r in results}
+    assert ended_s < 10 and status == 0
+
+
+def test_a_client_leaving_while_its_requests_queue_harms_no_one(folder):
+    """A non-streaming client (n=4) gives up while its adds wait behind a busy engine thread: those
+    adds never run, and a stream already in flight finishes untouched (a cancelled add once
+    raised on the engine thread and failed every request in flight)."""
+    live = LiveServer(tiny_bridge(folder))
+    body = {"model": MODEL_ID, "prompt": "the cache holds keys", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+
+    async def scenario() -> tuple[list[dict], str]:
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines = r.aiter_lines()
+                first = await anext(lines)  # the stream is running
+                live.bridge._commands.put(lambda: time.sleep(1.0))  # the engine thread is busy for 1 s
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post("/v1/completions", json={**body, "n": 4}, timeout=0.2)
+                events = [json.loads(line[6:]) async for line in lines
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                events.insert(0, json.loads(first[6:]))
+        return events, "".join(e["choices"][0]["text"] for e in events if "choices" in e)
+
+    try:
+        events, text = asyncio.run(scenario())
+        assert all("error" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "length"
+        engine = live.bridge.engine
+        assert text == generate(engine.model, engine.tokenizer.encode(body["prompt"]),
+                                SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), engine.tokenizer).text
+        deadline = time.monotonic() + 10
+        while engine.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.requests == {} and engine.metrics().kv_blocks_used == 0
+    finally:
+        live.stop()

@@ -106,6 +106,7 @@ class EngineBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._shutdown_deadline: float | None = None  # set once the server is told to stop
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,14 +125,33 @@ class EngineBridge:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def shut_down(self, timeout_s: float) -> None:
+        """Refuse new requests from now on; running ones get ``timeout_s`` to finish, then end
+        with finish_reason "abort" (their streams close normally). Only sets a field, so a signal
+        handler may call it."""
+        if self._shutdown_deadline is None:
+            self._shutdown_deadline = time.monotonic() + timeout_s
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutdown_deadline is not None
+
+    def refuse_if_shutting_down(self) -> None:
+        if self.shutting_down:
+            raise APIError("the server is shutting down", 503, "server_error", code="shutting_down")
+
     # --- the event loop's side ------------------------------------------------------------------
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine thread between two steps and await its result."""
+        """Run ``fn`` on the engine thread between two steps and await its result. If the
+        awaiting coroutine is cancelled first (its client left), ``fn`` never runs."""
         if not self.alive:
             raise RuntimeError("the engine thread is not running")
         fut: Future[T] = Future()
 
         def run() -> None:
+            # a cancelled future cannot take a result: setting one would raise on the engine thread
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn())
             except BaseException as e:  # handed to the awaiting coroutine
@@ -141,6 +161,7 @@ class EngineBridge:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; ValueError (from the engine's admission check) if it can never run."""
+        self.refuse_if_shutting_down()
         rid = f"req-{self._next_id}"
         self._next_id += 1
         stream = RequestStream(self, rid)
@@ -149,7 +170,11 @@ class EngineBridge:
             self.engine.add_request(prompt_ids, params, request_id=rid)
             self._streams[rid] = stream
             self._arrival[rid] = time.perf_counter()
-        await self.call(add)
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:  # the client left while the add was queued or running
+            self.abort(rid)  # queued after the add: a no-op if it never ran, else it undoes it
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -178,6 +203,8 @@ class EngineBridge:
         while not self._stop.is_set():
             try:
                 self._drain(block=not engine.has_unfinished())
+                if self._shutdown_deadline is not None and time.monotonic() >= self._shutdown_deadline:
+                    self._deliver([engine.abort_request(rid) for rid in list(engine.requests)])
                 if not engine.has_unfinished():
                     continue
                 self._deliver(engine.step())
@@ -217,11 +244,12 @@ class EngineBridge:
     def _observe(self, out: RequestOutput, now: float) -> None:
         rid, m = out.request_id, self.metrics
         last = self._last_token.get(rid)
-        if last is None:
-            m.ttft.observe(now - self._arrival.get(rid, now))
-        else:
-            m.itl.observe(now - last)
-        self._last_token[rid] = now
+        if out.new_token_ids:  # an abort brings no token: no latency to observe
+            if last is None:
+                m.ttft.observe(now - self._arrival.get(rid, now))
+            else:
+                m.itl.observe(now - last)
+            self._last_token[rid] = now
         if out.finished:
             m.e2e.observe(now - self._arrival.get(rid, now))
             m.requests.labels(out.finish_reason or "stop").inc()

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import SamplingParams, TokenLogprob
+from kvlab.server.auth import require_api_key
 from kvlab.server.bridge import EngineBridge, RequestStream, StepOutput
 from kvlab.server.errors import APIError
 from kvlab.server.schemas import (
@@ -56,14 +57,6 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its cl
 
 def bridge_of(request: Request) -> EngineBridge:
     return request.app.state.bridge
-
-
-def require_api_key(request: Request) -> None:
-    """With --api-key, every /v1 request must carry it as a bearer token (as OpenAI's)."""
-    key = request.app.state.api_key
-    if key and request.headers.get("authorization", "") != f"Bearer {key}":
-        raise APIError("invalid or missing API key (Authorization: Bearer KEY)", 401,
-                       "invalid_request_error", code="invalid_api_key")
 
 
 def require_json(request: Request) -> None:

@@ -2,7 +2,8 @@
 
 Planner and crossover sweeps are plain CPU work, so they run in FastAPI's thread pool (sync
 routes) and never stall token streaming. The step-through runs the served model, so one runs at a
-time and its size is capped: it is a lesson, not a second serving path.
+time and its size is capped: it is a lesson, not a second serving path. With --api-key every
+route here needs the key, as /v1 does (``kvlab.server.auth``).
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ import asyncio
 import threading
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvlab.catalog import BUNDLED, entries
 from kvlab.dtypes import KV_DTYPES, WEIGHT_DTYPES
 from kvlab.hardware import get_device, gpu_names
+from kvlab.server.auth import require_api_key
 from kvlab.server.bridge import EngineBridge
 from kvlab.server.errors import APIError
 from kvlab.server.views import crossover_view, plan_view, resolve_spec, step_through
 from kvlab.spec import ConfigError, ModelSpec
 
-router = APIRouter(prefix="/api")
+router = APIRouter(prefix="/api", dependencies=[Depends(require_api_key)])
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 MAX_STEP_TOKENS = 48  # the no-cache run is quadratic: keep a click well under a second
 _step_lock = threading.Lock()
@@ -100,6 +102,7 @@ def crossover(body: CrossoverBody) -> dict:
 @router.post("/steps")
 def steps(body: StepsBody, request: Request) -> dict:
     b = _bridge(request)
+    b.refuse_if_shutting_down()
     with _step_lock:
         return step_through(b.engine.model, b.tokenizer, body.prompt, body.max_tokens, b.model_id)
 

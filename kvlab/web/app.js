@@ -32,12 +32,22 @@ function showError(msg) {
   el.hidden = !msg;
 }
 
+// With `kvlab serve --api-key`, /v1 and /api need the key: the page keeps it for this tab only
+// (sessionStorage, gone when the tab closes) and sends it as a bearer token; a 401 asks for it.
+const KEY_ITEM = "kvlab-api-key";
+
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 // Every call goes through here so the page shows the server's OpenAI-style error message.
 async function api(path, body) {
-  const init = body === undefined ? {} : {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  const init = body === undefined ? { headers: authHeaders() } : {
+    method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() }, body: JSON.stringify(body),
   };
   const res = await fetch(path, init);
+  if (res.status === 401) $("#auth").hidden = false;
   const data = await res.json().catch(() => ({ error: { message: `${res.status} ${res.statusText}` } }));
   if (!res.ok) throw new Error(data.error ? data.error.message : `${res.status}`);
   return data;
@@ -461,6 +471,12 @@ async function main() {
   const crossover = debounce(() => guarded(runCrossover));
   $("#crossover-form").addEventListener("input", (ev) => { crossoverInputs(ev.currentTarget); crossover(); });
   $("#load-form").addEventListener("submit", (ev) => guarded(() => sendLoad(ev)));
+  $("#auth").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem(KEY_ITEM, new FormData(ev.target).get("key"));
+    ev.target.hidden = true;
+    guarded(loadOptions);
+  });
   await guarded(loadOptions);
   crossoverInputs($("#crossover-form"));
   document.body.dataset.ready = "true";
