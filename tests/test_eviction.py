@@ -153,3 +153,27 @@ def test_cli_evict_table_and_json(capsys, tmp_path):
     assert main(argv[:-1] + ["--task", "needle", "--trials", "5", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "needle accuracy" in out and plot.stat().st_size > 0
+
+
+def test_server_with_a_policy_counts_evictions(tmp_path):
+    """`kvlab serve --kv-policy streaming --kv-budget 32`: a long completion runs in a bounded
+    cache and /metrics counts the blocks and tokens given back."""
+    import httpx
+
+    from tests.test_server_fixtures import MODEL_ID, LiveServer, tiny_bridge
+
+    live = LiveServer(tiny_bridge(tmp_path, kv_policy="streaming", kv_budget=32,
+                                  max_num_batched_tokens=16))
+    try:
+        res = httpx.post(f"{live.url}/v1/completions", timeout=60, json={
+            "model": MODEL_ID, "prompt": "the cache " * 20, "max_tokens": 60, "temperature": 0,
+            "ignore_eos": True})
+        assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 60
+        metrics = httpx.get(f"{live.url}/metrics", timeout=10).text
+        blocks = float(next(line.split()[-1] for line in metrics.splitlines()
+                            if line.startswith("kvlab_evicted_blocks_total")))
+        tokens = float(next(line.split()[-1] for line in metrics.splitlines()
+                            if line.startswith("kvlab_evicted_tokens_total")))
+        assert blocks > 0 and tokens == blocks * 8
+    finally:
+        live.stop()

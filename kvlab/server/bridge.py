@@ -281,7 +281,8 @@ class EngineBridge:
             block_size=self.engine.capacity.block_size, prefix_queries_tokens=m.prefix_cache_queries,
             prefix_hits_tokens=m.prefix_cache_hits, preemptions=m.preemptions,
             swapped_out_blocks=m.swapped_out_blocks, swapped_in_blocks=m.swapped_in_blocks,
-            swap_fallbacks=m.swap_fallbacks, running=m.running, waiting=m.waiting, swapped=m.swapped)
+            swap_fallbacks=m.swap_fallbacks, evicted_blocks=m.evicted_blocks,
+            evicted_tokens=m.evicted_tokens, running=m.running, waiting=m.waiting, swapped=m.swapped)
 
     def block_map(self) -> dict[str, Any]:
         """The engine's block map (``LLMEngine.block_map``) with the gauges; call through

@@ -37,6 +37,8 @@ class EngineGauges:
     swapped_out_blocks: int  # cumulative
     swapped_in_blocks: int  # cumulative
     swap_fallbacks: int  # cumulative: swap-outs the swap file could not take, recomputed instead
+    evicted_blocks: int  # cumulative: given back by the --kv-policy
+    evicted_tokens: int  # cumulative
     running: int
     waiting: int
     swapped: int
@@ -79,6 +81,9 @@ class _EngineCollector(Collector):
         yield counter("swapped_in_blocks", "KV blocks copied back from the host pool.", g.swapped_in_blocks)
         yield counter("swap_fallbacks", "Preempted requests recomputed because the swap file could not "
                       "be written (disk full, read-only).", g.swap_fallbacks)
+        yield counter("evicted_blocks", "KV blocks given back by the token eviction policy (--kv-policy).",
+                      g.evicted_blocks)
+        yield counter("evicted_tokens", "Cached tokens evicted by the token eviction policy.", g.evicted_tokens)
 
 
 class ServerMetrics:
