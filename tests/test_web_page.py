@@ -6,18 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import httpx
 import pytest
-
-from kvlab.catalog import CONFIG_DIR
-from tests.test_server_fixtures import MODEL_ID, LiveServer, server, tiny_bridge  # noqa: F401
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parent.parent / "out" / "screenshots"  # /out/ is git-ignored
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-sync_api = pytest.importorskip("playwright.sync_api")
+# Decided before the heavy imports below (torch, the server), so an opted-out run skips at once.
 if os.environ.get("CI"):  # CI always runs the browser tests, opt-out or not
     if not CHROMIUM.exists():
         raise RuntimeError("CI needs Debian's chromium at /usr/bin/chromium (`make test` installs it)")
@@ -27,6 +23,12 @@ elif os.environ.get("KVLAB_NO_BROWSER"):
 elif not CHROMIUM.exists():
     pytest.skip("browser tests skipped: no /usr/bin/chromium (`make test` installs it with apt-get)",
                 allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+import httpx  # noqa: E402
+
+from kvlab.catalog import CONFIG_DIR  # noqa: E402
+from tests.test_server_fixtures import MODEL_ID, LiveServer, server, tiny_bridge  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
