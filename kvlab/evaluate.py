@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.data import PERSUASION
 from kvlab.engine.engine import MODEL_KV_DTYPE
 from kvlab.engine.llm import LLM
 from kvlab.eviction import EvictionPolicy
@@ -35,7 +36,7 @@ from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import SamplingParams
 
-DEFAULT_TEXT = Path(__file__).parent / "data" / "persuasion-ch1-4.txt"
+DEFAULT_TEXT = PERSUASION
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key? The pass key is"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvlab.engine.attention import PagedAttention, SeqSpan
+from kvlab.engine.engine import calibration_ids
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.llm import LLM
 from kvlab.engine.sizing import cdiv, layer_groups
@@ -28,7 +29,9 @@ def forced_logits(model: CausalLM, ids: list[int], kv_dtype: str, prompt_len: in
     spec = model.spec
     groups = layer_groups(spec)
     blocks = cdiv(len(ids), block_size)
-    attn = PagedAttention(PagedKVCache(spec, groups, blocks, block_size, kv_dtype))
+    cache = PagedKVCache(spec, groups, blocks, block_size, kv_dtype)
+    cache.calibrate(model, calibration_ids(None, spec.vocab_size))
+    attn = PagedAttention(cache)
     tables = [list(range(blocks))] * len(groups)
     attn.prepare([SeqSpan(tables, 0, prompt_len)], "cpu")
     out = [model(torch.tensor(ids[:prompt_len]), torch.arange(prompt_len), attn,
@@ -77,3 +80,29 @@ def test_lossy_kv_agreement(setup, kv_dtype):
     assert llm.engine.cache.blocks[0][0].dtype == {
         "bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,
         "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_scales_do_not_depend_on_request_history(setup, kv_dtype):
+    """Scales come from a fixed calibration text at start-up: a prompt gives the same greedy
+    tokens alone, after another request, and squeezed into a cache that preempts."""
+    model, batch, _ = setup
+
+    def run(prompts_, blocks=64, preemption="recompute"):
+        llm = LLM(model, kv_memory=kv_bytes(model, blocks, 4) // 4, block_size=4, kv_dtype=kv_dtype,
+                  preemption=preemption, max_num_batched_tokens=16)
+        return llm, [o.token_ids for o in llm.generate(prompts_, PARAMS)]
+
+    llm, (alone,) = run([batch[2]])
+    _, (_, after) = run([[v * 3 % 128 for v in batch[0]] * 3, batch[2]])
+    tight, squeezed = run(batch, blocks=24, preemption="swap-ram")
+    assert after == alone and squeezed[2] == alone
+    assert tight.metrics().preemptions > 0
+    # the scales are the calibration's, whatever ran: the same in every engine
+    assert torch.equal(llm.engine.cache.scales[0], tight.engine.cache.scales[0])
+    # values beyond the calibrated range are clamped and counted
+    cache = llm.engine.cache
+    before = llm.metrics().kv_saturated_values
+    k = torch.full((3, model.spec.layers[0].kv_heads, model.spec.layers[0].head_dim), 1e6)
+    cache.write(0, k, torch.zeros_like(k), torch.tensor([0, 1, 2]))
+    assert llm.metrics().kv_saturated_values - before == k.numel()

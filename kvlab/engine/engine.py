@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.eviction import EvictionPolicy
-from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.data import PERSUASION
+from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.runner import ModelRunner
@@ -72,6 +73,7 @@ class EngineMetrics:
     swap_fallbacks: int  # swap-outs the host pool could not take (disk full): recomputed instead
     evicted_blocks: int  # given back by the --kv-policy (per layer group's table)
     evicted_tokens: int
+    kv_saturated_values: int  # fp8 cache: values beyond the format's range, clamped
     running: int
     waiting: int
     swapped: int
@@ -117,6 +119,17 @@ def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
     return kv
 
 
+def calibration_ids(tokenizer: TextTokenizer | None, vocab_size: int) -> list[int]:
+    """The fixed text an fp8 cache's scales are set from: the opening of *Persuasion* through
+    the model's tokenizer, or (no tokenizer) seeded random ids."""
+    if tokenizer is not None:
+        ids = tokenizer.encode(PERSUASION.read_text()[:4000])[:CALIBRATION_TOKENS]
+        if ids and max(ids) < vocab_size:
+            return ids
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (CALIBRATION_TOKENS,), generator=gen).tolist()
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: TextTokenizer | None = None,
                  options: EngineOptions = EngineOptions()) -> None:
@@ -143,6 +156,8 @@ class LLMEngine:
         if self.cache.nbytes != self.capacity.bytes:
             raise RuntimeError(f"KV cache allocated {self.cache.nbytes} B, sizing said "
                                f"{self.capacity.bytes} B")
+        if self.cache.scales:  # fp8: scales fixed once, from the same text for every run
+            self.cache.calibrate(model, calibration_ids(tokenizer, spec.vocab_size))
         if swap:
             self.cache.attach_host_pool(blocks, "ram" if options.preemption == "swap-ram" else "disk")
         self.eviction = EvictionPolicy(options.kv_policy, options.kv_budget)
@@ -348,7 +363,8 @@ class LLMEngine:
             prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
             swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
             swap_fallbacks=self.swap_fallbacks, evicted_blocks=s.num_evicted_blocks,
-            evicted_tokens=s.num_evicted_tokens, running=len(s.running), waiting=s.num_waiting,
+            evicted_tokens=s.num_evicted_tokens, kv_saturated_values=self.cache.saturated,
+            running=len(s.running), waiting=s.num_waiting,
             swapped=s.num_swapped)
 
     def block_map(self) -> dict:

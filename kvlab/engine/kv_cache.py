@@ -8,8 +8,10 @@ sequence's slots gives each head's keys as one contiguous [L, head_dim] matrix, 
 reads fastest (and gathering 128-byte rows per head beats gathering interleaved heads).
 Formats (``kvlab.dtypes``):
 - fp32 / bf16 / fp16: stored as is (cast if it differs from the model's dtype);
-- fp8_e4m3 / fp8_e5m2: torch.float8_* with one fp32 scale per layer for K and one for V, taken
-  from the first tokens written (amax / fp8 max, with headroom); values beyond saturate;
+- fp8_e4m3 / fp8_e5m2: torch.float8_* with one fp32 scale per layer for K and one for V, set
+  once at start-up from a fixed calibration text (``calibrate``: amax / fp8 max, with headroom),
+  so a request's tokens never depend on which requests came before; values beyond saturate and
+  are counted (``saturated``);
 - int8: q8_0 style, one fp16 scale per 32 elements of each head vector.
 Each layer's bytes per slot equal ``LayerSpec.kv_bytes_per_token`` for that format, so the cache
 holds exactly what ``kvlab plan`` prints.
@@ -33,13 +35,16 @@ from torch import Tensor
 from kvlab.dtypes import kv_dtype as lookup_kv_dtype
 from kvlab.engine.kv_manager import BlockCopies
 from kvlab.engine.sizing import LayerGroup
+from kvlab.models.attention import NoCache
+from kvlab.models.llama import CausalLM
 from kvlab.spec import ModelSpec
 
 STORAGE: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8,
 }
-FP8_HEADROOM = 4.0  # the first tokens' largest value lands at 1/4 of the fp8 range
+FP8_HEADROOM = 4.0  # the calibration text's largest value lands at 1/4 of the fp8 range
+CALIBRATION_TOKENS = 256
 INT8_GROUP = 32
 
 
@@ -59,7 +64,7 @@ class PagedKVCache:
         # per layer: the tensors indexed by block (K, V, and for int8 their scales)
         self.blocks: dict[int, list[Tensor]] = {}
         self.scales: dict[int, Tensor] = {}  # fp8: [2] fp32 (K scale, V scale)
-        self._calibrated: set[tuple[int, int]] = set()  # (layer, 0 for K / 1 for V)
+        self.saturated = 0  # fp8 values beyond the format's range, clamped (cumulative)
         for i in self.group_of:
             layer = spec.layers[i]
             if self.format.name == "int8" and layer.head_dim % INT8_GROUP:
@@ -83,6 +88,26 @@ class PagedKVCache:
         return (sum(t.numel() * t.element_size() for ts in self.blocks.values() for t in ts)
                 + sum(s.numel() * s.element_size() for s in self.scales.values()))
 
+    @torch.inference_mode()
+    def calibrate(self, model: CausalLM, ids: list[int]) -> None:
+        """Set every fp8 layer's K and V scale from one forward pass over ``ids`` (a fixed text):
+        amax x headroom / the format's largest value. A no-op for other formats."""
+        if not self.scales:
+            return
+        amax: dict[int, Tensor] = {}
+
+        class Recorder(NoCache):
+            def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                amax[layer_idx] = torch.stack([k.abs().max(), v.abs().max()]).float()
+                return super().attend(layer_idx, q, k, v)
+        backend = Recorder(model.spec)
+        device = model.device
+        model(torch.tensor(ids, device=device), backend.prepare(len(ids), device), backend,
+              torch.tensor([len(ids) - 1], device=device))
+        fmax = torch.finfo(self.storage).max
+        for layer, scale in self.scales.items():
+            scale.copy_((amax[layer] * FP8_HEADROOM / fmax).clamp(min=1e-12))
+
     # --- writing and reading slots --------------------------------------------------------------
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
         """Store new tokens' K/V [T, kv_heads, D] at slots [T]."""
@@ -95,11 +120,12 @@ class PagedKVCache:
                 _rows(tensors[2 + j]).index_copy_(1, slots, scale.transpose(0, 1))
             elif layer in self.scales:
                 scale = self.scales[layer]
+                if not bool(scale.all()):
+                    raise RuntimeError("fp8 KV cache written before calibrate() set its scales")
                 fmax = torch.finfo(self.storage).max
-                if (layer, j) not in self._calibrated:  # the layer's first write sets its scale
-                    self._calibrated.add((layer, j))
-                    scale[j] = (x.detach().abs().max().float() * FP8_HEADROOM / fmax).clamp(min=1e-12)
-                y = (x.float() / scale[j]).clamp(-fmax, fmax).to(self.storage)
+                y = x.float() / scale[j]
+                self.saturated += int((y.abs() > fmax).sum())
+                y = y.clamp(-fmax, fmax).to(self.storage)
                 # no fp8 index_copy_ kernel: copy the bytes
                 flat.view(torch.uint8).index_copy_(1, slots, y.view(torch.uint8).transpose(0, 1))
             else:
