@@ -7,6 +7,8 @@ The engine thread starts and stops with the app's lifespan.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -73,6 +75,70 @@ class BodyLimit:
             await _too_large(self.limit)(scope, receive, send)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON body decodes to a string holding an unpaired UTF-16 surrogate (the escape
+    "\\ud800" alone). A pair decodes to one real character and is fine."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return False  # the common case: no escape of the surrogate range at all
+    try:
+        stack = [json.loads(body)]
+    except (ValueError, RecursionError):
+        return False  # not JSON: the route's own parser says so
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+class RejectLoneSurrogates:
+    """Refuse a JSON body whose strings hold unpaired surrogates with one 400.
+
+    JSON allows such escapes and Python decodes them, but the result is not text: the tokenizer,
+    the error message that quotes the value and the JSON response all fail on it (a 500, or a
+    reset connection). The body (already capped by ``BodyLimit``) is read whole, checked and
+    handed on unchanged."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks, message = [], {"type": "http.request", "more_body": True}
+        while message["type"] == "http.request" and message.get("more_body", False):
+            message = await receive()
+            chunks.append(message.get("body", b""))
+        if message["type"] != "http.request":  # the client left (or BodyLimit cut it off)
+            await self.app(scope, _replay([message], receive), send)
+            return
+        body = b"".join(chunks)
+        if _lone_surrogate(body):
+            await APIError("the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): "
+                           "not text", code="invalid_unicode").response()(scope, receive, send)
+            return
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that hands out ``messages`` first, then defers to the real one."""
+    async def replayed() -> Message:
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
 def create_app(bridge: EngineBridge, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,7 +155,8 @@ def create_app(bridge: EngineBridge, api_key: str | None = None, max_body_bytes:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(page_api.router)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(RejectLoneSurrogates)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)  # added last, so it runs first
 
     @app.get("/health")
     async def health() -> JSONResponse:
