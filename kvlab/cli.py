@@ -262,6 +262,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- evict -------------------------------------------------------------------------------------
+
+def _word_list(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def _budget_list(text: str) -> list[int | float]:
+    from kvlab.eviction import parse_budget
+
+    try:
+        return [parse_budget(w) for w in _word_list(text)]  # type: ignore[misc]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    from kvlab.evaluate import evaluate, plot_rows, rows_json
+    from kvlab.models import load
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    loaded = load(args.model, args.dtype, device=args.device)
+    log = (lambda msg: None) if args.json else (lambda msg: print(f"… {msg}", file=sys.stderr, flush=True))
+    rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
+                    text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
+                    trials=args.trials, progress=log)
+    if args.plot:
+        plot_rows(rows, args.plot)
+    if args.json:
+        print(json.dumps(rows_json(rows), indent=1))
+    else:
+        from kvlab.render import print_evict
+
+        print_evict(rows, loaded.model.name, args.context)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvlab", description="Plan, run, measure and see the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -382,6 +423,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("evict", help="what token eviction and lossy KV dtypes cost in quality "
+                       "(perplexity or a hidden pass key), beside the bytes they save")
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m)")
+    p.add_argument("--policies", type=_word_list, default=["full", "window", "streaming", "h2o", "snapkv"],
+                   help="comma-separated: full, window, streaming, h2o, snapkv (default: all)")
+    p.add_argument("--budgets", type=_budget_list, default=[128, 256, 512],
+                   help="comma-separated tokens kept per sequence, or ratios of the context (default 128,256,512)")
+    p.add_argument("--kv-dtype", type=_word_list, default=["auto"],
+                   help="comma-separated KV storage formats: auto (the model's), bf16, fp8_e4m3, fp8_e5m2, int8")
+    p.add_argument("--task", choices=["perplexity", "needle"], default="perplexity",
+                   help="perplexity over a long text (default) or a pass key hidden in it")
+    p.add_argument("--text", default=None, help="text file (default: Jane Austen's Persuasion, ch. 1-4)")
+    p.add_argument("--context", type=positive_int, default=2048, help="tokens of the text (default 2048)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--chunk", type=positive_int, default=64,
+                   help="tokens per engine step: eviction runs between steps (default 64)")
+    p.add_argument("--trials", type=positive_int, default=20, help="needle prompts per row (default 20)")
+    p.add_argument("--dtype", default="fp32",
+                   help="model dtype (default fp32: bf16 near-ties would add batch-dependent noise)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--plot", help="write quality against KV bytes kept to this PNG")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=cmd_evict)
 
     p = sub.add_parser("demo", help="kvlab's main job: the default model through the paged engine, "
                        "with a cache small enough to preempt, beside the plan's prediction")

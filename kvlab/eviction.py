@@ -123,6 +123,7 @@ class EvictionPolicy:
             recent = max(1, math.ceil(self.obs_window / unit))
         else:  # h2o: half recent, half heavy hitters
             recent = max(1, allowed // 2)
+        recent = min(recent, allowed - sink_units)  # a window wider than the budget is the budget
         out = torch.zeros_like(kept)
         out[:sink_units] = kept[:sink_units]
         # the most recent kept units, newest first

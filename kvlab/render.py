@@ -279,3 +279,31 @@ def print_demo(d: DemoReport, console: Console | None = None) -> None:
     t.add_row(f"chats of {d.max_model_len} tokens at once", f"{m['max_concurrency']:.2f}",
               f"{p['max_concurrency']:.2f}")
     c.print(t)
+
+
+def print_evict(rows: list, model: str, context: int, console: Console | None = None) -> None:
+    """The eviction table: quality beside the bytes kept and the blocks given back."""
+    c = console or Console(width=max(Console().width, 110))
+    task = rows[0].task if rows else "perplexity"
+    t = Table(title=f"kvlab evict: {task} on {model}, {context:,} tokens", title_justify="left")
+    quality = "perplexity (blocks)" if task == "perplexity" else "needle accuracy"
+    cols = ["policy", "budget", "KV dtype", quality]
+    if task == "perplexity":
+        cols.append("perplexity (tokens)")
+    cols += ["KV kept / seq", "blocks freed", "tokens evicted", "time"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("policy", "KV dtype") else "right")
+    for r in rows:
+        q = "n/a" if r.quality is None else (f"{r.quality:.2f}" if task == "perplexity"
+                                            else f"{r.quality:.0%} of {r.trials}")
+        cells = [r.policy, "-" if r.budget is None else str(r.budget), r.kv_dtype, q]
+        if task == "perplexity":
+            cells.append("-" if r.quality_token is None else f"{r.quality_token:.2f}")
+        cells += [f"{r.kv_bytes_kept / 2**20:,.2f} MiB", f"{r.blocks_freed:,}", f"{r.tokens_evicted:,}",
+                  f"{r.seconds:.1f} s"]
+        t.add_row(*cells)
+    c.print(t)
+    if task == "perplexity":
+        c.print("perplexity (blocks): the paged engine, whole blocks evicted; (tokens): the plain loop, "
+                "token by token. snapkv compresses a finished prompt, and a teacher-forced text is one "
+                "prompt to its end, so its perplexity equals full's: judge it on --task needle.")

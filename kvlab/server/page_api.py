@@ -21,7 +21,7 @@ from kvlab.hardware import get_device, gpu_names
 from kvlab.server.auth import require_api_key
 from kvlab.server.bridge import EngineBridge
 from kvlab.server.errors import APIError
-from kvlab.server.views import crossover_view, plan_view, resolve_spec, step_through
+from kvlab.server.views import crossover_view, eviction_view, plan_view, resolve_spec, step_through
 from kvlab.spec import ConfigError, ModelSpec
 
 router = APIRouter(prefix="/api", dependencies=[Depends(require_api_key)])
@@ -105,6 +105,19 @@ def steps(body: StepsBody, request: Request) -> dict:
     b.refuse_if_shutting_down()
     with _step_lock:
         return step_through(b.engine.model, b.tokenizer, body.prompt, body.max_tokens, b.model_id)
+
+
+class EvictBody(BaseModel):
+    prompt: str = Field(min_length=1, max_length=4000)
+    budget: int = Field(32, ge=2, le=512)
+
+
+@router.post("/evict")
+def evict(body: EvictBody, request: Request) -> dict:
+    b = _bridge(request)
+    b.refuse_if_shutting_down()
+    with _step_lock:  # runs the served model, like the step-through: one at a time
+        return eviction_view(b.engine.model, b.tokenizer, body.prompt, body.budget)
 
 
 @router.get("/cache")

@@ -1,4 +1,5 @@
-"""What the page's planner, crossover and step-through views show, computed by kvlab's own code.
+"""What the page's planner, crossover, step-through and eviction views show, computed by kvlab's
+own code.
 
 The page only draws: every number comes from ``kvlab.plan.make_plan`` or from running
 ``kvlab.generate.Generation`` on the served model, shaped here into what one view needs, so the
@@ -12,9 +13,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from kvlab.catalog import BUNDLED, find, load_spec
+from kvlab.engine.engine import MODEL_KV_DTYPE
+from kvlab.eviction import POLICIES, EvictionPolicy
 from kvlab.generate import Generation
 from kvlab.models import CausalLM
+from kvlab.models.attention import EvictingKVCache
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.plan import Plan, PlanRequest, make_plan
 from kvlab.sampling import SamplingParams, TokenLogprob
@@ -191,3 +197,58 @@ def step_through(model: CausalLM, tokenizer: TextTokenizer, prompt: str, max_tok
         "ratio": without[-1]["processed_total"] / max(1, with_cache[-1]["processed_total"]),
     }
 
+
+
+MAX_EVICT_PROMPT = 512  # tokens the eviction view runs five times (once per policy)
+
+
+@torch.inference_mode()
+def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget: int, sinks: int = 4,
+                  chunk: int = 16) -> dict:
+    """The prompt through each eviction policy, token by token (``EvictingKVCache``, chunks of
+    ``chunk`` tokens as the engine's steps): which tokens each keeps and why (sink, heavy hitter,
+    recent window), the attention mass h2o and snapkv chose by, and the bytes kept."""
+    ids = tokenizer.encode(prompt)
+    if len(ids) > MAX_EVICT_PROMPT:
+        raise APIError(f"the prompt is {len(ids)} tokens; the eviction view takes {MAX_EVICT_PROMPT} at most",
+                       param="prompt")
+    try:
+        policies = [EvictionPolicy(name, budget, sinks=sinks) for name in POLICIES]
+        for p in policies:
+            p.check_unit(1)
+    except ValueError as e:
+        raise APIError(str(e), param="budget") from None
+    per_token = model.spec.kv_bytes_per_token(MODEL_KV_DTYPE.get(model.dtype, "bf16"))
+    out = []
+    for policy in policies:
+        cache = EvictingKVCache(model.spec, policy, policy.max_tokens_held(len(ids), len(ids), chunk, 1),
+                                len(ids), model.dtype, model.device)
+        for a in range(0, len(ids), chunk):
+            piece = torch.tensor(ids[a:a + chunk], device=model.device)
+            model(piece, cache.prepare(len(piece)), cache, torch.tensor([len(piece) - 1], device=model.device))
+            cache.evict()
+        kept = set(cache.positions[:cache.held].tolist())
+        n = len(ids)
+        recent_from = n - (budget - sinks if policy.name == "streaming" else
+                           policy.obs_window if policy.name == "snapkv" else
+                           budget // 2 if policy.name == "h2o" else budget)
+        roles = []
+        for i in range(n):
+            if i not in kept:
+                roles.append("evicted")
+            elif not policy.active:
+                roles.append("kept")
+            elif policy.name == "streaming" and i < sinks:
+                roles.append("sink")
+            elif i >= recent_from:
+                roles.append("recent")
+            else:
+                roles.append("heavy")
+        mass = None
+        if policy.needs_scores:
+            scores = cache.scores[:n]
+            mass = (scores / scores.max().clamp(min=1e-12)).tolist()
+        out.append({"policy": policy.name, "kept": len(kept), "roles": roles, "mass": mass,
+                    "kv_bytes_kept": len(kept) * per_token, "kv_bytes_full": n * per_token})
+    return {"tokens": [_token(tokenizer, i) for i in ids], "budget": budget, "sinks": sinks,
+            "chunk": chunk, "policies": out}

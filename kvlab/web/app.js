@@ -1,4 +1,4 @@
-// kvlab's page: four views that draw what the server's JSON API computes.
+// kvlab's page: five views that draw what the server's JSON API computes.
 // No formula lives here: the planner, the crossover sweep, the step-through runs and the block
 // pool all come from /api/* (kvlab.plan, kvlab.generate, the engine). This file only formats,
 // draws and sends requests.
@@ -451,6 +451,37 @@ function setLivePolling(on) {
 
 // --- wiring ------------------------------------------------------------------------------------
 
+// --- 5. eviction ------------------------------------------------------------------------------
+
+async function runEvict(ev) {
+  ev.preventDefault();
+  const f = new FormData(ev.target);
+  const d = await api("/api/evict", { prompt: f.get("prompt"), budget: Number(f.get("budget")) });
+  $("#evict-out").hidden = false;
+  $('[data-testid="evict-policies"]').replaceChildren(...d.policies.map((p) => {
+    const row = document.createElement("div");
+    row.className = "policy";
+    row.dataset.policy = p.policy;
+    const h = document.createElement("h3");
+    const saved = 1 - p.kv_bytes_kept / p.kv_bytes_full;
+    h.textContent = `${p.policy}: ${p.kept} of ${d.tokens.length} tokens kept, ` +
+      `${fmt.bytes(p.kv_bytes_kept)} of ${fmt.bytes(p.kv_bytes_full)} (${fmt.pct(saved)} saved)`;
+    const toks = document.createElement("div");
+    toks.className = "tokens";
+    toks.append(...d.tokens.map((t, i) => {
+      const span = tokenSpan(t, p.roles[i]);
+      if (p.mass) {
+        span.style.setProperty("--mass", p.mass[i].toFixed(3));
+        span.classList.add("scored");
+        span.title += `, attention mass ${(100 * p.mass[i]).toFixed(0)}% of the top token's`;
+      }
+      return span;
+    }));
+    row.append(h, toks);
+    return row;
+  }));
+}
+
 function show(view) {
   for (const b of $$("nav button")) b.setAttribute("aria-selected", String(b.dataset.view === view));
   for (const s of $$(".view")) s.hidden = s.id !== `view-${view}`;
@@ -471,6 +502,7 @@ async function main() {
   const crossover = debounce(() => guarded(runCrossover));
   $("#crossover-form").addEventListener("input", (ev) => { crossoverInputs(ev.currentTarget); crossover(); });
   $("#load-form").addEventListener("submit", (ev) => guarded(() => sendLoad(ev)));
+  $("#evict-form").addEventListener("submit", (ev) => guarded(() => runEvict(ev)));
   $("#auth").addEventListener("submit", (ev) => {
     ev.preventDefault();
     sessionStorage.setItem(KEY_ITEM, new FormData(ev.target).get("key"));
