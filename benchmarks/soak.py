@@ -31,8 +31,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:  # torch loads only for the comparison, after the traffic
+    from kvlab.models.llama import CausalLM
+    from kvlab.models.tokenizer import TextTokenizer
 
 REQUEST_DEADLINE_S = 120  # a request still unanswered after this is a hang
 OPENINGS = ["It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -137,21 +142,18 @@ def leaked_blocks(cache: dict) -> int:
     return sum(len(g["blocks"]) - g["blocks"].count("f") - g["blocks"].count("c") for g in cache["groups"])
 
 
-def mismatches(model_name: str, dtype: str, completed: list[tuple[str, int, str]]) -> list[str]:
+def mismatches(model: CausalLM, tokenizer: TextTokenizer, completed: list[tuple[str, int, str]]) -> list[str]:
     """Completed outputs that differ from the plain loop (``kvlab.generate``) run alone."""
     from kvlab.generate import generate
-    from kvlab.models import load
     from kvlab.sampling import SamplingParams
 
-    loaded = load(model_name, dtype)
     solo: dict[tuple[str, int], str] = {}
     bad = []
     for prompt, max_tokens, text in completed:
         key = (prompt, max_tokens)
         if key not in solo:
-            ids = loaded.tokenizer.encode(prompt)
-            solo[key] = generate(loaded.model, ids, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                   ignore_eos=True), loaded.tokenizer).text
+            solo[key] = generate(model, tokenizer.encode(prompt), SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True), tokenizer).text
         if text != solo[key]:
             bad.append(prompt)
     return bad
@@ -260,7 +262,12 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
     growth = (max(warm[-3:]) - warm[0]) / warm[0] if len(warm) >= 4 else float("nan")
     ts = [t for t, _ in samples if t >= minutes * 60 / 5]
     slope = _slope(ts, warm) * 60 / 2**20 if len(warm) >= 4 else float("nan")  # MiB per minute
-    bad = mismatches(model, dtype, traffic.completed) if dtype == "fp32" else None
+    bad = None
+    if dtype == "fp32":
+        from kvlab.models import load
+
+        loaded = load(model, dtype)
+        bad = mismatches(loaded.model, loaded.tokenizer, traffic.completed)
     stats = cache["stats"]
     result = {
         "mode": mode, "minutes": minutes, "model": model, "dtype": dtype, "kv_memory": kv_memory,
