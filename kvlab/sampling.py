@@ -23,6 +23,9 @@ from torch import Tensor
 MAX_LOGPROBS = 20  # alternatives per token at most, as vLLM's default max_logprobs and OpenAI's
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Invalid values raise ValueError on construction."""
@@ -68,7 +71,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so close to it (as vLLM, below 1e-5) that the distribution is one-hot
+        anyway and dividing the logits by it would overflow float32 into NaN probabilities."""
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_top_k(logits: Tensor, k: int) -> Tensor:
@@ -86,7 +91,8 @@ def apply_top_p(logits: Tensor, p: float) -> Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= p  # the top token always survives (before = 0 < p)
+    drop_sorted = before >= p
+    drop_sorted[..., 0] = False  # the top token always survives (even a p that rounds to 0 in float32)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

@@ -36,3 +36,13 @@ def test_a_lone_surrogate_is_one_clear_400(server):  # noqa: F811
     ok = httpx.post(f"{server.url}/v1/completions", content=f'{{"model": "{MODEL_ID}", "prompt": "\\ud83d\\ude00", '
                     '"max_tokens": 2}', headers={"Content-Type": "application/json"})
     assert ok.status_code == 200
+
+
+def test_sampling_limits_the_fuzzer_found_are_served(server):  # noqa: F811
+    """A temperature or top_p so small that float32 rounds it away once made NaN probabilities
+    (a 500); both are greedy in effect, and now sample the greedy token."""
+    body = {"model": MODEL_ID, "prompt": "the cache holds", "max_tokens": 6, "ignore_eos": True, "seed": 3}
+    greedy = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    for extra in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 5e-324, "top_p": 5e-324}):
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, (extra, r.text)
