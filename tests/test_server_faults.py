@@ -82,6 +82,7 @@ def test_swap_disk_write_failure_falls_back_to_recompute(folder, fault):
     final = _drain(engine)
     m = engine.metrics()
     assert m.swapped_out_blocks > 0 and m.swap_fallbacks > 0  # both paths ran
+    assert m.swapped_in_blocks == m.swapped_out_blocks  # what reached the swap file came back
     for prompt, rid in zip(PROMPTS, ids, strict=True):
         assert final[rid].finish_reason == "length" and final[rid].text == _solo(engine, prompt)  # nothing lost
     _assert_idle(engine)

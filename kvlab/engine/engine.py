@@ -266,6 +266,7 @@ class LLMEngine:
             for seq in victims:
                 self.scheduler.recompute(seq)
             self.swap_fallbacks += len(victims)
+            self.kv.swapped_out_blocks -= sum(map(len, out.swap_out))  # they never reached the host pool
             log.warning("swap-out failed (%s): %d preempted request(s) will recompute", e, len(victims))
         self.cache.swap_in(out.swap_in)
 
