@@ -22,6 +22,7 @@ BODIES = {  # a valid body per POST route, so a 200 with the key proves the rout
     "/api/plan": {"model": "llama-3.1-8b", "context": 1024},
     "/api/crossover": {"model": "llama-3.1-8b", "context": 1024},
     "/api/steps": {"prompt": "the cache", "max_tokens": 2},
+    "/api/evict": {"prompt": "the cache holds keys and values", "budget": 8},
 }
 
 
@@ -51,7 +52,8 @@ def test_every_model_or_cache_route_needs_the_key(keyed):
                 r = http.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, header)
             r = http.request(method, path, json=body, headers={"Authorization": bearer.encode()})
-            assert r.status_code == 200, (path, r.text)
+            # with the key: served (a route added later without a body above at least gets past the key)
+            assert r.status_code == 200 if method == "GET" or path in BODIES else r.status_code != 401, (path, r.text)
 
 
 def test_the_page_health_and_metrics_stay_open(keyed):
