@@ -46,6 +46,7 @@ FAST: dict[str, dict[str, str]] = {
     "bench": {"--num-requests": "2", "--input-len": "8:16", "--output-len": "2:4", "--hf-batch-size": "2",
               "--dtype": "fp32"},
     "demo": {"--max-tokens": "8"},
+    "evict": {"--context": "128", "--budgets": "64", "--chunk": "32", "--trials": "2"},
 }
 PATHS = {"./my-checkpoint/": "a checkpoint folder (config.json + tokenizer.json)"}
 
