@@ -75,21 +75,22 @@ def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_d
 
 
 def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
-    """Run while watching the engine: (peak blocks one sequence held, seconds)."""
+    """Run while watching the engine: (most blocks held at once after a step's eviction, before
+    finished requests let go of theirs; seconds)."""
     peak = 0
-    step = llm.engine.step
+    scheduler = llm.engine.scheduler
+    update = scheduler.update
 
-    def watched():
+    def watched(*args, **kwargs):
         nonlocal peak
-        outs = step()
+        update(*args, **kwargs)
         peak = max(peak, llm.engine.kv.num_used_blocks)
-        return outs
-    llm.engine.step = watched  # type: ignore[method-assign]
+    scheduler.update = watched  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
         run()
     finally:
-        llm.engine.step = step  # type: ignore[method-assign]
+        scheduler.update = update  # type: ignore[method-assign]
     return peak, time.perf_counter() - t0
 
 
@@ -198,17 +199,22 @@ def plot_rows(rows: list[EvictRow], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r.policy, r.kv_dtype) for r in rows})
+    task = rows[0].task if rows else ""
+    # snapkv's perplexity is full's by construction (see the module doc): drawn, it would hide full
+    keys = sorted({(r.policy, r.kv_dtype) for r in rows if not (task == "perplexity" and r.policy == "snapkv")})
     for policy, dtype in keys:
         pts = sorted((r.kv_bytes_kept, r.quality) for r in rows
                      if (r.policy, r.kv_dtype) == (policy, dtype) and r.quality is not None)
         style = "o" if policy == "full" else "-o"
         ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], style, label=f"{policy} ({dtype})")
-    task = rows[0].task if rows else ""
     ax.set_xlabel("KV cache kept per sequence (MiB, peak)")
     ax.set_ylabel("perplexity (lower is better)" if task == "perplexity" else "needle accuracy")
     if task == "perplexity":
+        from matplotlib.ticker import ScalarFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_title(f"kvlab evict: {task}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
