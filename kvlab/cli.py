@@ -69,8 +69,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvlab.catalog import load_spec, model_path
     from kvlab.plan import PlanRequest, make_plan
 
-    vllm, llamacpp = _engine_settings(args)
     spec = load_spec(args.model)
+    if args.context is None:  # a 1,024-token model is not planned at 8,192 tokens
+        args.context = min(8192, spec.max_position_embeddings or 8192)
+    vllm, llamacpp = _engine_settings(args)
     path = model_path(args.model)
     req = PlanRequest(context=args.context, users=args.users, kv_dtype=args.kv_dtype,
                       weights_dtype=args.weights_dtype, gpu=args.gpu, gpus=args.gpus, tp=args.tp,
@@ -310,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="KV-cache memory, capacity and speed bounds for a model")
     p.add_argument("model", help="catalogue or bundled name (llama-3.1-70b, Qwen/Qwen2.5-7B, smollm2-135m), "
                    "config.json, checkpoint folder or GGUF file")
-    p.add_argument("--context", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="tokens per sequence (default: 8192, or the model's context if shorter)")
     p.add_argument("--users", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--kv-dtype", default="bf16", help="fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4")
     p.add_argument("--weights-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")

@@ -27,8 +27,9 @@ def _table(title: str) -> Table:
 
 def print_plan(p: Plan, console: Console | None = None) -> None:
     c = console or Console(width=max(Console().width, 110))
+    on = "this machine's CPU" if p.gpu == "cpu" else f"{p.gpus} x {p.gpu} (TP {p.tp})"
     c.print(f"[bold]{p.model}[/]  context {p.context:,} tokens x {p.users} users, KV {p.kv_dtype}, "
-            f"weights {p.weights_dtype}, {p.gpus} x {p.gpu} (TP {p.tp})")
+            f"weights {p.weights_dtype}, {on}")
     t = _table("KV cache")
     t.add_row("per token", f"{p.kv_bytes_per_token:,} B", fmt_bytes(p.kv_bytes_per_token))
     if p.kv_bytes_per_token_without_gqa:
@@ -36,8 +37,9 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         t.add_row("per token without GQA", f"{p.kv_bytes_per_token_without_gqa:,} B", f"{ratio:.1f}x more")
     t.add_row(f"per sequence ({p.context:,} tokens)", fmt_bytes(p.kv_bytes_per_sequence), "")
     t.add_row(f"all {p.users} sequences", fmt_bytes(p.kv_bytes_total), "")
-    t.add_row(f"one sequence per GPU (TP {p.tp})", fmt_bytes(p.kv_bytes_per_gpu),
-              "replicated beyond KV heads" if p.kv_replicated else "")
+    if p.gpu != "cpu":
+        t.add_row(f"one sequence per GPU (TP {p.tp})", fmt_bytes(p.kv_bytes_per_gpu),
+                  "replicated beyond KV heads" if p.kv_replicated else "")
     t.add_row("dtype layout", p.kv_layout, "")
     c.print(t)
     lt = Table(title="By layer kind", title_justify="left")
@@ -49,7 +51,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
 
     t = _table("Memory")
     t.add_row("weights", fmt_bytes(p.weights_bytes),
-              f"{p.num_params / 1e9:,.2f} B params ({p.active_params / 1e9:,.2f} B active per token), "
+              f"{fmt_count(p.num_params)} params ({fmt_count(p.active_params)} active per token), "
               f"linear layers in {p.weights_dtype}")
     if p.stored_weights_bytes is not None:
         t.add_row("weights as stored in the file", fmt_bytes(p.stored_weights_bytes),
@@ -62,12 +64,16 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(t)
 
     t = _table(f"On {p.gpu_name} ({fmt_bytes(p.gpu_memory_bytes)}, {p.usable_bytes_per_gpu / p.gpu_memory_bytes:.0%} usable)")
-    t.add_row("KV budget per GPU", fmt_bytes(p.kv_budget_bytes_per_gpu), "after weights/TP and allowances")
-    t.add_row(f"sequences of {p.context:,} tokens that fit", f"{p.max_sequences:,}", f"on {p.gpus} GPU(s)")
+    cpu = p.gpu == "cpu"
+    where = "this machine" if cpu else f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}"
+    t.add_row("KV budget" + ("" if cpu else " per GPU"), fmt_bytes(p.kv_budget_bytes_per_gpu),
+              "after weights and allowances" if cpu else "after weights/TP and allowances")
+    t.add_row(f"sequences of {p.context:,} tokens that fit", f"{p.max_sequences:,}", f"on {where}")
     t.add_row(f"longest context for {p.users} users", f"{p.max_context_for_users:,}" if p.max_context_for_users else "does not fit", "tokens")
-    t.add_row("GPUs needed (everything)", str(p.gpus_needed) if p.gpus_needed else "> 4096", "")
-    t.add_row("GPUs for the cache alone", str(p.gpus_needed_cache_only), "")
-    t.add_row("valid TP sizes", ", ".join(map(str, p.valid_tp_sizes)), "")
+    if not cpu:
+        t.add_row("GPUs needed (everything)", str(p.gpus_needed) if p.gpus_needed else "> 4096", "")
+        t.add_row("GPUs for the cache alone", str(p.gpus_needed_cache_only), "")
+        t.add_row("valid TP sizes", ", ".join(map(str, p.valid_tp_sizes)), "")
     if p.dp_attention:
         t.add_row("cache of the batch per GPU", fmt_bytes(p.kv_bytes_batch_per_gpu),
                   f"DP attention: each of the {p.tp} TP ranks holds whole caches of its share")

@@ -59,3 +59,17 @@ def test_bad_config_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvlab.cli", "plan", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "not valid JSON" in r.stderr
+
+
+def test_small_models_and_cpu_plans_read_right(capsys):
+    """A 3.9 M-parameter model is not "0.00 B params", is planned at its own 1,024-token context,
+    and a CPU plan speaks of this machine, not of GPUs."""
+    assert main(["plan", "austen-demo", "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "context 1,024 tokens" in out and "3.9 M params" in out and "this machine" in out
+    assert "GPU" not in out and "0.00 B" not in out
+    assert main(["plan", "austen-demo", "--gpu", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 1024
+    assert main(["plan", "llama-3.1-70b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "context 8,192 tokens" in out and "70.6 B params" in out and "on 8 GPUs" in out
