@@ -30,6 +30,7 @@ import torch
 from kvlab.data import PERSUASION
 from kvlab.engine.engine import MODEL_KV_DTYPE
 from kvlab.engine.llm import LLM
+from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.eviction import EvictionPolicy
 from kvlab.models.attention import EvictingKVCache
 from kvlab.models.llama import CausalLM
@@ -75,8 +76,8 @@ def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_d
 
 
 def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
-    """Run while watching the engine: (most blocks held at once after a step's eviction, before
-    finished requests let go of theirs; seconds)."""
+    """Run while watching the engine: (most blocks one sequence held after a step's eviction,
+    before finished requests let go of theirs; seconds)."""
     peak = 0
     scheduler = llm.engine.scheduler
     update = scheduler.update
@@ -84,7 +85,8 @@ def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
     def watched(*args, **kwargs):
         nonlocal peak
         update(*args, **kwargs)
-        peak = max(peak, llm.engine.kv.num_used_blocks)
+        for seq in scheduler.running:
+            peak = max(peak, sum(b != NULL_BLOCK for b in seq.block_tables[0]))
     scheduler.update = watched  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
@@ -157,7 +159,7 @@ def needle(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: Ev
     hits = sum(key in out.text for (_, key), out in zip(prompts, result["outs"]))
     m = llm.metrics()
     return EvictRow("needle", policy.name, policy.budget, llm.capacity.kv_dtype, hits / trials, None,
-                    peak * block_size * llm.capacity.bytes_per_token // trials, m.evicted_blocks,
+                    peak * block_size * llm.capacity.bytes_per_token, m.evicted_blocks,
                     m.evicted_tokens, seconds, trials)
 
 
