@@ -8,8 +8,8 @@ mkdir -p "$OUT"
 KV=".venv/bin/kvlab"
 $KV evict --task perplexity --context 2048 --budgets 128,256,512 --threads 2 \
     --json --plot "$OUT/evict-perplexity.png" > "$OUT/evict-perplexity.json"
-$KV evict --task needle --context 1024 --budgets 128,256,512 --trials 10 --threads 2 \
+$KV evict --task needle --context 1024 --budgets 128,256 --trials 5 --threads 2 \
     --json --plot "$OUT/evict-needle.png" > "$OUT/evict-needle.json"
-$KV evict --task perplexity --context 2048 --policies full,streaming --budgets 256 \
+$KV evict --task perplexity --context 1024 --policies full,streaming --budgets 256 \
     --kv-dtype auto,bf16,fp8_e4m3,fp8_e5m2,int8 --threads 2 \
     --json --plot "$OUT/evict-dtypes.png" > "$OUT/evict-dtypes.json"
