@@ -17,9 +17,12 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def _dry_run(*args: str) -> str:
-    """What `make test` would run (make -n), with Chromium absent."""
-    return subprocess.run(["make", "-n", "test", "CHROMIUM=/nonexistent/chromium", *args], cwd=ROOT,
-                          capture_output=True, text=True, check=True).stdout
+    """What `make test` would run (make -n), with Chromium absent. Run from inside `make test`
+    (as CI does), a child make would inherit the parent's level and print "Entering directory"
+    lines: it gets a clean environment and --no-print-directory."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    return subprocess.run(["make", "-n", "--no-print-directory", "test", "CHROMIUM=/nonexistent/chromium", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
 
 
 def test_make_test_announces_the_chromium_install():
