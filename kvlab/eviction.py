@@ -108,14 +108,12 @@ class EvictionPolicy:
             held = max(held, prompt)
         return min(final, held)
 
-    def keep(self, kept: Tensor, n: int, unit: int, scores: Tensor | None) -> Tensor:
-        """The units (of ``unit`` tokens over ``n`` cached positions) to keep from ``kept`` (bool
-        [units], False = already evicted). ``scores`` [n]: per-position attention mass."""
-        units = kept.numel()
-        allowed = max(2, self.budget_tokens(n) // unit)
-        if not self.active or int(kept.sum()) <= allowed:
-            return kept
-        last = units - 1  # being written: never evicted
+    def allowed_units(self, n: int, unit: int) -> int:
+        return max(2, self.budget_tokens(n) // unit)
+
+    def split(self, n: int, unit: int) -> tuple[int, int]:
+        """(sink units, recent units) of the budget at ``n`` positions; the rest goes by score."""
+        allowed = self.allowed_units(n, unit)
         sink_units = math.ceil(self.sinks / unit) if self.name == "streaming" else 0
         if self.name in ("window", "streaming"):
             recent = allowed - sink_units
@@ -123,7 +121,25 @@ class EvictionPolicy:
             recent = max(1, math.ceil(self.obs_window / unit))
         else:  # h2o: half recent, half heavy hitters
             recent = max(1, allowed // 2)
-        recent = min(recent, allowed - sink_units)  # a window wider than the budget is the budget
+        return sink_units, min(recent, allowed - sink_units)  # a window wider than the budget is the budget
+
+    def voters(self, num_prompt_tokens: int) -> range | None:
+        """Positions whose queries' attention counts toward the scores (None: no scores)."""
+        if self.name == "h2o":
+            return range(0, 2**62)
+        if self.name == "snapkv":
+            return range(max(0, num_prompt_tokens - self.obs_window), num_prompt_tokens)
+        return None
+
+    def keep(self, kept: Tensor, n: int, unit: int, scores: Tensor | None) -> Tensor:
+        """The units (of ``unit`` tokens over ``n`` cached positions) to keep from ``kept`` (bool
+        [units], False = already evicted). ``scores`` [n]: per-position attention mass."""
+        units = kept.numel()
+        allowed = self.allowed_units(n, unit)
+        if not self.active or int(kept.sum()) <= allowed:
+            return kept
+        last = units - 1  # being written: never evicted
+        sink_units, recent = self.split(n, unit)
         out = torch.zeros_like(kept)
         out[:sink_units] = kept[:sink_units]
         # the most recent kept units, newest first

@@ -84,11 +84,7 @@ class ModelRunner:
             if seq.scores is not None:
                 grown[:seq.scores.numel()] = seq.scores
             seq.scores = grown
-        if self.eviction.name == "snapkv":
-            p = seq.num_prompt_tokens
-            voters = range(max(0, p - self.eviction.obs_window), p)
-            if start >= p:  # decoding: the votes were cast; plain attention is enough
-                return SeqSpan(seq.block_tables, start, num_tokens)
-        else:
-            voters = range(0, seq.num_tokens + 1)
+        voters = self.eviction.voters(seq.num_prompt_tokens)
+        if voters is None or start >= voters.stop:  # snapkv decoding: the votes were cast
+            return SeqSpan(seq.block_tables, start, num_tokens)
         return SeqSpan(seq.block_tables, start, num_tokens, seq.scores, voters)

@@ -210,12 +210,13 @@ class Scheduler:
         policy, n, bs = self.eviction, seq.num_computed_tokens, self.kv.block_size
         if not policy.active or (policy.name == "snapkv" and n < seq.num_prompt_tokens):
             return  # snapkv compresses once the whole prompt is in
-        held = self.kv.held_blocks(seq)[:cdiv(n, bs)]
-        kept = torch.tensor(held, dtype=torch.bool)
+        held = self.kv.held_blocks(seq)
+        computed = cdiv(n, bs)  # blocks past the computed tokens (none, after update) stay
+        kept = torch.tensor(held[:computed], dtype=torch.bool)
         keep = policy.keep(kept, n, bs, seq.scores)
         if bool((keep == kept).all()):
             return
-        freed = self.kv.evict(seq, keep.tolist() + [True] * (len(self.kv.held_blocks(seq)) - len(held)))
+        freed = self.kv.evict(seq, keep.tolist() + held[computed:])
         self.num_evicted_blocks += freed
         self.num_evicted_tokens += freed * bs
         seq.num_evicted_tokens += freed * bs

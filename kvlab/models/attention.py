@@ -301,13 +301,11 @@ class EvictingKVCache:
         return o[0].transpose(0, 1)
 
     def _voters(self, q_pos: Tensor) -> Tensor | None:
-        if self.policy.name == "h2o":
-            return torch.ones_like(q_pos, dtype=torch.bool)
-        if self.policy.name == "snapkv":
-            first = self.num_prompt_tokens - self.policy.obs_window
-            voters = (q_pos >= first) & (q_pos < self.num_prompt_tokens)
-            return voters if bool(voters.any()) else None
-        return None
+        voters = self.policy.voters(self.num_prompt_tokens)
+        if voters is None:
+            return None
+        mask = (q_pos >= voters.start) & (q_pos < voters.stop)
+        return mask if bool(mask.any()) else None
 
     def evict(self) -> int:
         """After a step: apply the policy to the tokens written so far. Returns tokens evicted."""

@@ -229,16 +229,15 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
             cache.evict()
         kept = set(cache.positions[:cache.held].tolist())
         n = len(ids)
-        recent_from = n - (budget - sinks if policy.name == "streaming" else
-                           policy.obs_window if policy.name == "snapkv" else
-                           budget // 2 if policy.name == "h2o" else budget)
+        sink_units, recent = policy.split(n, 1)
+        recent_from = n - recent
         roles = []
         for i in range(n):
             if i not in kept:
                 roles.append("evicted")
             elif not policy.active:
                 roles.append("kept")
-            elif policy.name == "streaming" and i < sinks:
+            elif i < sink_units:
                 roles.append("sink")
             elif i >= recent_from:
                 roles.append("recent")
