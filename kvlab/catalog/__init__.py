@@ -129,16 +129,24 @@ def model_path(model: str | Path) -> Path | None:
     return path if path.exists() else None
 
 
+def gguf_file(model: str | Path):  # -> kvlab.gguf.GGUFFile | None (imported lazily)
+    """The opened GGUF file a bundled name or a path names, or None (not a GGUF file)."""
+    path = model_path(model)
+    if path is None:
+        return None
+    from kvlab.gguf import is_gguf, open_gguf
+
+    return open_gguf(path) if is_gguf(path) else None
+
+
 def load_config(model: str | Path) -> tuple[dict, str]:
     """Config dict and display name for a bundled or catalogue name, a config.json, a checkpoint
     folder or a GGUF file."""
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return gguf.config(), gguf.name
     path = model_path(model)
     if path is not None:
-        from kvlab.gguf import is_gguf, open_gguf
-
-        if is_gguf(path):
-            gguf = open_gguf(path)
-            return gguf.config(), gguf.name
         return read_config(path), (path.parent.name if path.is_file() else path.name)
     model = str(model)
     entry = find(model)
@@ -152,10 +160,5 @@ def load_config(model: str | Path) -> tuple[dict, str]:
 def load_spec(model: str | Path) -> ModelSpec:
     cfg, name = load_config(model)
     spec = spec_from_config(cfg, name)
-    path = model_path(model)
-    if path is not None:
-        from kvlab.gguf import is_gguf, open_gguf
-
-        if is_gguf(path):
-            spec = dataclasses.replace(spec, stored_weights=open_gguf(path).stored_weights)
-    return spec
+    gguf = gguf_file(model)  # opened once per process (open_gguf caches it)
+    return spec if gguf is None else dataclasses.replace(spec, stored_weights=gguf.stored_weights)

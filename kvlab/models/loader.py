@@ -22,8 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from kvlab.catalog import DEFAULT_MODEL, load_config, model_path
-from kvlab.gguf import is_gguf, open_gguf
+from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM, check_supported, inv_frequencies
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
@@ -180,7 +179,7 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
     spec = spec_from_config(cfg, name)
     check_supported(spec)
     built = build_model(spec, dtype, dev, random_weights=random_weights, seed=seed)
-    gguf = open_gguf(path) if path is not None and is_gguf(path) else None
+    gguf = gguf_file(path) if path is not None else None
     folder = None if path is None or gguf is not None else (path if path.is_dir() else path.parent)
     if not random_weights:
         tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors()) if gguf is not None
