@@ -74,7 +74,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.context = min(8192, spec.max_position_embeddings or 8192)
     vllm, llamacpp = _engine_settings(args)
     path = model_path(args.model)
-    req = PlanRequest(context=args.context, users=args.users, kv_dtype=args.kv_dtype,
+    rows = {"new_tokens": tuple(args.new_tokens)} if args.new_tokens else {}  # else the request's default
+    req = PlanRequest(**rows, context=args.context, users=args.users, kv_dtype=args.kv_dtype,
                       weights_dtype=args.weights_dtype, gpu=args.gpu, gpus=args.gpus, tp=args.tp,
                       mem_util=args.mem_util, gpu_memory=args.gpu_memory, prompt=args.prompt,
                       kv_memory=args.kv_memory, block_size=args.block_size or 16,
@@ -326,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=byte_size,
                    help="the GPU's memory, e.g. 12.49GB; bandwidth and FLOP/s stay those of --gpu")
     p.add_argument("--prompt", type=positive_int, default=128, help="prompt length for the cache/no-cache work table")
+    p.add_argument("--new-tokens", type=_int_list, default=None, metavar="N,N,...",
+                   help="new tokens of the work table's rows (default 64,128,256,512)")
     p.add_argument("--kv-memory", type=byte_size, metavar="BYTES",
                    help="the engine's KV budget, e.g. 2GiB: adds kv_cache_blocks/tokens and max_concurrency")
     p.add_argument("--block-size", type=positive_int, metavar="N",

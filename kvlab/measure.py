@@ -206,7 +206,7 @@ def cache_vs_no_cache(model: CausalLM, prompt: int, new_tokens: Sequence[int]) -
     ids = _prompt(model.spec, prompt).tolist()
     generate(model, ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: one-time costs
     rows = []
-    for n, work in zip(new_tokens, work_table(prompt, tuple(new_tokens))):
+    for n, work in zip(new_tokens, work_table(model.spec, prompt, tuple(new_tokens))):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         timed = {}
         for use_cache in (True, False):

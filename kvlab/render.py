@@ -79,21 +79,33 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                   f"DP attention: each of the {p.tp} TP ranks holds whole caches of its share")
     c.print(t)
 
-    t = _table("Speed bounds")
+    t = _table("Speed bounds: each step takes the longer of bytes / bandwidth and FLOPs / peak")
+    reads = p.decode_weights_seconds + p.decode_kv_seconds
+    limit = "compute-bound" if p.decode_compute_seconds > reads else "memory-bound"
     t.add_row("decode step", fmt_seconds(p.decode_step_seconds),
-              f"weights {fmt_seconds(p.decode_weights_seconds)} + cache {fmt_seconds(p.decode_kv_seconds)}")
-    t.add_row("decode throughput", f"{p.decode_tokens_per_s:,.0f} tok/s", "upper bound")
-    t.add_row(f"TTFT for {p.context:,} tokens", fmt_seconds(p.ttft_seconds), f"{p.prefill_flops / 1e12:,.1f} TFLOP")
+              f"reads {fmt_seconds(reads)} (weights {fmt_seconds(p.decode_weights_seconds)} + cache "
+              f"{fmt_seconds(p.decode_kv_seconds)}), compute {fmt_seconds(p.decode_compute_seconds)}: {limit}")
+    t.add_row("decode throughput", f"{p.decode_tokens_per_s:,.0f} tok/s",
+              f"upper bound; {fmt_flops(p.decode_flops_per_token)} per token at {p.context:,} tokens")
+    t.add_row("decode FLOP per byte", f"{p.decode_flops_per_byte:,.1f}",
+              f"compute-bound needs the device's {p.device_flops_per_byte:,.0f} (peak FLOP/s / bandwidth)")
+    t.add_row("compute-bound from batch", f"{p.compute_bound_batch:,}" if p.compute_bound_batch else "never",
+              "decode's FLOPs outlast its reads from this batch on" if p.compute_bound_batch
+              else f"at {p.context:,} tokens each sequence's cache reads outgrow its FLOPs")
+    t.add_row(f"TTFT for {p.context:,} tokens", fmt_seconds(p.ttft_seconds), fmt_flops(p.prefill_flops))
     t.add_row("crossover batch", f"{p.crossover_batch:,}" if p.crossover_batch else "never",
               "cache reads overtake weight reads from this batch on")
     c.print(t)
 
-    wt = Table(title=f"Work with and without a cache (prompt {p.work_table[0]['prompt']})", title_justify="left")
-    for col in ("new tokens", "tokens with cache", "tokens without", "ratio"):
+    wt = Table(title=f"Work with and without a cache (prompt {p.work_table[0]['prompt']}): without, "
+               f"every step recomputes the whole prefix", title_justify="left")
+    for col in ("new tokens", "tokens with cache", "tokens without", "ratio", "FLOPs with cache",
+                "FLOPs without", "ratio"):
         wt.add_column(col, justify="right")
     for r in p.work_table:
         wt.add_row(str(r["new_tokens"]), f"{r['tokens_with_cache']:,}", f"{r['tokens_without_cache']:,}",
-                   f"{r['work_ratio']:.1f}x")
+                   f"{r['work_ratio']:.1f}x", fmt_flops(r["flops_with_cache"]),
+                   fmt_flops(r["flops_without_cache"]), f"{r['flops_ratio']:.1f}x")
     c.print(wt)
     c.print(f"[bold]vLLM:[/] {p.vllm_flags}")
     if p.engine:

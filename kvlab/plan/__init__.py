@@ -6,13 +6,14 @@ vLLM and llama.cpp will allocate.
     memory.py      cache per token / sequence / layer kind, weights (the budget itself is
                    kvlab.engine.sizing.memory_budget, shared with the engine)
     capacity.py    longest context that fits, GPUs needed
-    speed.py       decode and prefill bounds, the crossover batch, the cache / no-cache work table
+    speed.py       the FLOP count (forward_flops), the crossover and compute-bound batches, the
+                   cache / no-cache work table in tokens and FLOPs
     engines/       vllm.py and llamacpp.py: those engines' own log lines and command lines
 """
 
 from kvlab.plan.parallel import valid_tp_sizes
 from kvlab.plan.planner import Plan, PlanRequest, make_plan
-from kvlab.plan.speed import generation_flops, prefill_flops, work_table
+from kvlab.plan.speed import decode_flops, forward_flops, generation_flops, prefill_flops, work_table
 
-__all__ = ["Plan", "PlanRequest", "make_plan", "valid_tp_sizes", "generation_flops", "prefill_flops",
-           "work_table"]
+__all__ = ["Plan", "PlanRequest", "make_plan", "valid_tp_sizes", "decode_flops", "forward_flops",
+           "generation_flops", "prefill_flops", "work_table"]

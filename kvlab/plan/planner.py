@@ -36,7 +36,7 @@ class PlanRequest:
     mem_util: float = 0.9
     gpu_memory: int | None = None  # the device's memory in bytes, in place of its datasheet's
     prompt: int = 128  # for the cache / no-cache work table
-    new_tokens: tuple[int, ...] = (64, 128, 256, 512)
+    new_tokens: tuple[int, ...] = (64, 128, 256, 512)  # its rows
     kv_memory: int | None = None  # the engine's KV budget (bytes): sizes its block pool
     block_size: int = 16  # tokens per engine KV block
     max_model_len: int | None = None  # for the engine's max concurrency (default: context)
@@ -54,6 +54,8 @@ class PlanRequest:
             (self.gpus is None or self.gpus >= 1, f"--gpus must be at least 1, got {self.gpus}"),
             (self.tp is None or self.tp >= 1, f"--tp must be at least 1, got {self.tp}"),
             (self.prompt >= 1, f"--prompt must be at least 1, got {self.prompt}"),
+            (bool(self.new_tokens) and min(self.new_tokens) >= 1,
+             f"--new-tokens must be at least 1 each, got {','.join(map(str, self.new_tokens))}"),
             (self.gpu_memory is None or self.gpu_memory > 0, "--gpu-memory must be positive"),
             (self.kv_memory is None or self.kv_memory > 0, "--kv-memory must be positive"),
             (self.block_size >= 1, f"--block-size must be at least 1, got {self.block_size}"),
@@ -108,12 +110,17 @@ class Plan:
     gpus_needed_cache_only: int
     valid_tp_sizes: list[int]
     kv_replicated: bool
-    # speed
-    decode_step_seconds: float
+    # speed: each step takes the longer of its bytes / bandwidth and its FLOPs / peak FLOP/s
+    decode_step_seconds: float  # max(weights + cache seconds, compute seconds)
     decode_weights_seconds: float
     decode_kv_seconds: float
+    decode_compute_seconds: float
     decode_tokens_per_s: float
-    ttft_seconds: float
+    decode_flops_per_token: float  # one token attending to `context` keys
+    decode_flops_per_byte: float  # the step's FLOPs / bytes it reads, per GPU
+    device_flops_per_byte: float  # peak FLOP/s / bandwidth: the intensity compute-bound needs
+    compute_bound_batch: int | None  # sequences per GPU from which decode is compute-bound
+    ttft_seconds: float  # max(prefill FLOPs / peak, weights read + cache written / bandwidth)
     prefill_flops: float
     crossover_batch: int | None
     work_table: list[dict]
@@ -259,15 +266,27 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     gpus_needed = capacity.gpus_needed(tps, lambda t, n: fits(B, T, t, seq_ranks_for(t, n)))
     cache_only = math.ceil(per_seq * B / budget.usable)
 
-    # 5. speed: each GPU reads its weight shard and the cache of the sequences it holds
+    # 5. speed: each GPU reads its weight shard and the cache of the sequences it holds, and
+    # computes its share of the step's tokens: 1/TP of each (all of it for its own sequences
+    # under DP attention, where the GPUs hold TP times as many sequences in all)
     def weights_read(batch: int) -> float:
         return (w_dense + w_experts * speed.experts_touched_fraction(spec, batch)) / tp
 
+    def decode_compute(batch: int) -> float:
+        """FLOPs per GPU of a step with `batch` sequences on each rank."""
+        return batch * seq_ranks / gpus * token_flops
+
+    def compute_bound(batch: int) -> bool:
+        read = weights_read(batch) + batch * per_seq_gpu
+        return decode_compute(batch) / device.flops >= read / device.bandwidth
+
     batch = max(1, math.ceil(B / seq_ranks))
     t_w, t_kv = weights_read(batch) / device.bandwidth, batch * per_seq_gpu / device.bandwidth
+    token_flops = speed.decode_flops(spec, T)
+    t_c = decode_compute(batch) / device.flops
     flops = speed.prefill_flops(spec, T)
 
-    # 6. kvlab's engine for --kv-memory
+    # 6. kvlab's engine for --kv-memory (at --tp N: each rank's pool, --kv-memory being per rank)
     cap = None
     if req.kv_memory is not None:
         try:
@@ -303,12 +322,17 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         kv_budget_bytes_per_gpu=budget.kv,
         max_sequences=int(max_seqs), max_context_for_users=max_ctx, gpus_needed=gpus_needed,
         gpus_needed_cache_only=cache_only, valid_tp_sizes=tps, kv_replicated=replicated,
-        decode_step_seconds=t_w + t_kv, decode_weights_seconds=t_w, decode_kv_seconds=t_kv,
-        decode_tokens_per_s=batch * seq_ranks / (t_w + t_kv),
-        ttft_seconds=max(flops / (device.flops * tp), w_bytes / tp / device.bandwidth),
+        decode_step_seconds=max(t_w + t_kv, t_c), decode_weights_seconds=t_w, decode_kv_seconds=t_kv,
+        decode_compute_seconds=t_c,
+        decode_tokens_per_s=batch * seq_ranks / max(t_w + t_kv, t_c),
+        decode_flops_per_token=token_flops,
+        decode_flops_per_byte=decode_compute(batch) / (weights_read(batch) + batch * per_seq_gpu),
+        device_flops_per_byte=device.flops / device.bandwidth,
+        compute_bound_batch=speed.smallest_batch(compute_bound),
+        ttft_seconds=max(flops / (device.flops * tp), (w_bytes / tp + per_seq_gpu) / device.bandwidth),
         prefill_flops=flops,
         crossover_batch=speed.crossover_batch(per_seq_gpu, weights_read),
-        work_table=speed.work_table(req.prompt, req.new_tokens),
+        work_table=speed.work_table(spec, req.prompt, req.new_tokens),
         vllm_flags=flags, notes=notes, sources=_sources(wd, device),
         kv_cache_blocks=cap.blocks if cap else None,
         kv_cache_tokens=cap.tokens if cap else None,
@@ -335,9 +359,13 @@ def _sources(wd: StorageDtype, device: Device) -> dict[str, str]:
         "kv_budget": "memory x utilisation - weights / TP - activations - logits - runtime "
                      "(kvlab.engine.sizing.memory_budget, the engine's own model)",
         "device": device.source,
-        "decode_step": "(weights read + KV of the batch) / memory bandwidth, per GPU at this TP",
-        "ttft": "max(prefill FLOPs / peak dense FLOP/s, weights / bandwidth)",
+        "decode_step": "max((weights read + KV of the batch) / memory bandwidth, FLOPs of the batch's "
+                       "tokens / peak dense FLOP/s), per GPU at this TP",
+        "ttft": "max(prefill FLOPs / peak dense FLOP/s, (weights read + cache written) / bandwidth)",
         "crossover": "smallest batch whose cache reads >= weight reads at this context",
+        "compute_bound_batch": "smallest batch whose FLOPs / peak >= its bytes / bandwidth at this context",
+        "flops": "per token: 2 x active matrix params + per attention layer 2 x heads x "
+                 "(head_dim + v_head_dim) x keys attended (kvlab.plan.speed.forward_flops)",
         "kv_cache_blocks": "(kv_memory - fp8 scales) // (block_size x kv_bytes_per_token); "
                            "max_concurrency = blocks / blocks one max_model_len sequence holds",
     }

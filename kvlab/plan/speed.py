@@ -1,11 +1,15 @@
-"""Speed bounds: decode steps limited by memory bandwidth, prefill by FLOPs, and the batch where
-cache reads overtake weight reads."""
+"""Speed bounds: every step is limited by the larger of its bytes over the memory bandwidth and
+its FLOPs over the peak FLOP/s; the batch where cache reads overtake weight reads, and the one
+where decode turns compute-bound; the cache / no-cache work table in tokens and in FLOPs.
+
+`forward_flops` is the one FLOP count: prefill, decode steps, generation, the work table and
+`kvlab bench` all ask it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvlab.spec import ModelSpec
+from kvlab.spec import LayerSpec, ModelSpec
 
 
 def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
@@ -17,52 +21,110 @@ def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
     return 1.0
 
 
-def prefill_flops(spec: ModelSpec, tokens: int) -> float:
-    """2 x active matrix params x tokens for the matmuls (lm_head for the last token only) plus
-    causal attention: QK^T and PV over the tokens each position attends to."""
-    lm_head = 2 * spec.vocab_size * spec.hidden_size
-    # the matrices every token multiplies by (MoE: routed experts only); the embedding is a lookup
+_FAR = 2**62  # a length beyond any window: what a layer caches of it is its window
+
+
+def _window(layer: LayerSpec) -> int | None:
+    """Keys a query of this layer can see at most (None: every earlier one)."""
+    w = layer.cached_tokens(_FAR)
+    return w if w < _FAR else None
+
+
+def _pairs(window: int | None, end: int) -> int:
+    """(query, key) pairs of positions 0 .. end - 1, position i attending to min(i + 1, window)."""
+    w = end if window is None else min(window, end)
+    return w * (w + 1) // 2 + (end - w) * w
+
+
+def _pairs_of_prefixes(window: int | None, n: int) -> int:
+    """Sum of _pairs(window, m) for m in 0 .. n - 1 in closed form: the attention of n whole
+    prefills of 0 .. n - 1 tokens (cubic in n below the window, quadratic beyond it)."""
+    a = n if window is None else min(n, window + 1)  # prefixes no longer than the window
+    c = n - a  # the longer ones: each adds `window` pairs per extra position
+    tri = (a - 1) * a * (a + 1) // 6 if a else 0
+    w = window or 0
+    return tri + c * w * (w + 1) // 2 + w * c * (c + 1) // 2
+
+
+def _flops(spec: ModelSpec, tokens: int, lm_head_tokens: int,
+           pairs: Callable[[int | None], int]) -> float:
+    """The one FLOP count. Per token: 2 x the matrix parameters it multiplies by (MoE: its routed
+    experts only; the embedding is a lookup; the LM head counted apart, as only sampled positions
+    need it), and per attention layer QK^T plus PV, 2 x heads x (head_dim + v_head_dim) per
+    (query, key) pair; `pairs(window)` counts a layer's pairs. SSM layers: their matmuls only."""
     per_token = sum(m.rows * m.cols * m.active for m in spec.matrices if m.name != "lm_head")
-    dense = 2 * per_token * tokens + lm_head
-    attn = 0.0
-    for layer in spec.layers:
-        if not layer.has_kv:
-            continue
-        w = min(layer.cached_tokens(tokens), tokens)
-        pairs = w * (w + 1) / 2 + (tokens - w) * w  # position i attends to min(i + 1, w) tokens
-        attn += 2 * layer.num_heads * (layer.head_dim + layer.v_head_dim) * pairs
-    return dense + attn
+    flops = 2 * per_token * tokens + 2 * spec.vocab_size * spec.hidden_size * lm_head_tokens
+    for layer in spec.attention_layers:
+        flops += 2 * layer.num_heads * (layer.head_dim + layer.v_head_dim) * pairs(_window(layer))
+    return float(flops)
+
+
+def forward_flops(spec: ModelSpec, start: int, tokens: int, lm_head_tokens: int = 1) -> float:
+    """FLOPs of positions start .. start + tokens - 1 passing through the model once, with the
+    keys of every earlier position cached; `lm_head_tokens` of them go through the LM head."""
+    return _flops(spec, tokens, lm_head_tokens, lambda w: _pairs(w, start + tokens) - _pairs(w, start))
+
+
+def prefill_flops(spec: ModelSpec, tokens: int) -> float:
+    """A `tokens`-token prompt in one causal pass, the LM head for the last position only."""
+    return forward_flops(spec, 0, tokens)
+
+
+def decode_flops(spec: ModelSpec, context: int) -> float:
+    """One decode token whose query attends to `context` cached keys (itself included)."""
+    return forward_flops(spec, context - 1, 1)
 
 
 def generation_flops(spec: ModelSpec, prompt: int, new_tokens: int) -> float:
     """FLOPs to generate ``new_tokens`` after a ``prompt``-token prompt with a KV cache: every
-    token but the last generated one passes through the model once (causally, as one long
-    prefill would), and each of the ``new_tokens`` sampling positions through the LM head."""
-    lm_head = 2 * spec.vocab_size * spec.hidden_size
-    return prefill_flops(spec, prompt + new_tokens - 1) + (new_tokens - 1) * lm_head
+    token but the last generated one passes through the model once, and each of the
+    ``new_tokens`` sampling positions through the LM head."""
+    return forward_flops(spec, 0, prompt + new_tokens - 1, lm_head_tokens=new_tokens)
 
 
-def work_table(prompt: int, new_tokens: tuple[int, ...]) -> list[dict]:
-    """Tokens pushed through the model with a cache (P + N - 1) and without (sum of P + i)."""
+def no_cache_flops(spec: ModelSpec, prompt: int, new_tokens: int) -> float:
+    """FLOPs to generate ``new_tokens`` recomputing everything each step: step i is a whole
+    prefill of P + i tokens (the sum of prefill_flops(P + i)), so the matmuls grow with N^2 and
+    attention with N^3."""
+    end = prompt + new_tokens
+    tokens = new_tokens * prompt + new_tokens * (new_tokens - 1) // 2
+    return _flops(spec, tokens, new_tokens,
+                  lambda w: _pairs_of_prefixes(w, end) - _pairs_of_prefixes(w, prompt))
+
+
+def work_table(spec: ModelSpec, prompt: int, new_tokens: tuple[int, ...]) -> list[dict]:
+    """Work to generate each N of ``new_tokens`` after ``prompt`` tokens, with a cache and
+    without: tokens pushed through the model (P + N - 1 vs sum of P + i) and their FLOPs."""
     rows = []
     for n in new_tokens:
         with_cache = prompt + n - 1
         without = n * prompt + n * (n - 1) // 2
+        flops_with, flops_without = generation_flops(spec, prompt, n), no_cache_flops(spec, prompt, n)
         rows.append({"prompt": prompt, "new_tokens": n, "tokens_with_cache": with_cache,
-                     "tokens_without_cache": without, "work_ratio": without / with_cache})
+                     "tokens_without_cache": without, "work_ratio": without / with_cache,
+                     "flops_with_cache": flops_with, "flops_without_cache": flops_without,
+                     "flops_ratio": flops_without / flops_with})
     return rows
 
 
-def crossover_batch(per_seq: int, weights_read: Callable[[int], float]) -> int | None:
-    """Smallest batch whose cache reads (batch x per_seq) reach the weight reads. Cache reads grow
-    linearly in the batch while MoE weight reads saturate, so bisect rather than divide."""
-    if not per_seq:
-        return None
+def smallest_batch(reached: Callable[[int], bool], limit: int = 2**40) -> int | None:
+    """Smallest batch from which `reached(batch)` holds (None: not by `limit`). Both uses (cache
+    reads vs weight reads; compute vs memory time) compare a part linear in the batch with MoE
+    weight reads that saturate, so once reached it stays reached: double, then bisect."""
     hi = 1
-    while hi * per_seq < weights_read(hi) and hi < 2**40:
+    while not reached(hi) and hi < limit:
         hi *= 2
+    if not reached(hi):
+        return None
     lo = hi // 2
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if mid * per_seq < weights_read(mid) else (lo, mid)
+        lo, hi = (lo, mid) if reached(mid) else (mid, hi)
     return hi
+
+
+def crossover_batch(per_seq: int, weights_read: Callable[[int], float]) -> int | None:
+    """Smallest batch whose cache reads (batch x per_seq) reach the weight reads."""
+    if not per_seq:
+        return None
+    return smallest_batch(lambda b: b * per_seq >= weights_read(b))
