@@ -77,7 +77,8 @@ def test_crossover_marks_where_the_cache_dominates(http):
     here = make_plan(spec, PlanRequest(context=8192, users=8, gpus=1))
     assert v["crossover_batch"] == here.crossover_batch
     assert v["point"] == {"weights_s": here.decode_weights_seconds, "kv_s": here.decode_kv_seconds,
-                          "step_s": here.decode_step_seconds}
+                          "compute_s": here.decode_compute_seconds, "step_s": here.decode_step_seconds}
+    assert v["compute_bound_batch"] == here.compute_bound_batch
     by_batch = {r["batch"]: r for r in v["by_batch"]}
     cb = v["crossover_batch"]
     assert by_batch[cb]["kv_s"] >= by_batch[cb]["weights_s"] and 8 in by_batch

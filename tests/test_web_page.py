@@ -171,7 +171,8 @@ def test_crossover_marks_the_crossover(page, api):
                            arg=want, timeout=15_000)
     point = ref["point"]
     assert _stat(page, "crossover-point", "dominant") == ("cache" if point["kv_s"] >= point["weights_s"] else "weights")
-    for key in ("weights_s", "kv_s", "step_s"):
+    assert _stat(page, "crossover-point", "compute_bound_batch") == "never"  # 32,768-token caches outread
+    for key in ("weights_s", "kv_s", "compute_s", "step_s"):
         value, unit = _stat(page, "crossover-point", key).split()
         seconds = float(value.replace(",", "")) / {"s": 1, "ms": 1e3, "µs": 1e6}[unit]
         assert seconds == pytest.approx(point[key], rel=5e-3) and "e+" not in value
@@ -186,8 +187,17 @@ def test_crossover_marks_the_crossover(page, api):
                            ".textContent.endsWith(' s')", timeout=15_000)
     value = _stat(page, "crossover-point", "step_s").removesuffix(" s")
     assert float(value.replace(",", "")) == pytest.approx(ref["point"]["step_s"], rel=5e-3) and "e+" not in value
-    assert page.locator("#chart-batch .u-legend").text_content().count("(s)") == 3
+    assert page.locator("#chart-batch .u-legend").text_content().count("(s)") == 4
     page.screenshot(path=str(SHOTS / "crossover-seconds.png"), full_page=True)
+    # short contexts, a large batch: the step is the batch's FLOPs, not its reads
+    page.select_option('#crossover-form select[name="gpu"]', "h100-sxm")
+    page.fill('#crossover-form input[name="context"]', "8")  # 256 tokens
+    page.fill('#crossover-form input[name="batch"]', "12")  # 4,096
+    _wait_stat(page, "crossover-point", "dominant", "compute")
+    ref = api.post("/api/crossover", json={"model": "meta-llama/Llama-3.1-70B", "context": 256, "batch": 4096,
+                                           "kv_dtype": "bf16", "gpu": "h100-sxm"}).json()
+    assert ref["point"]["step_s"] == ref["point"]["compute_s"]
+    assert _stat(page, "crossover-point", "compute_bound_batch") == f"{ref['compute_bound_batch']:,}"
 
 
 def test_live_cache_follows_the_engine(page, api):

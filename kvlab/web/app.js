@@ -284,11 +284,15 @@ async function runCrossover() {
     `${cb == null ? "— (never)" : fmt.int(cb)}; at a batch of ${fmt.int(batch)} from a context of ` +
     `${cc == null ? "— (never)" : fmt.int(cc)} tokens.`;
   const pt = v.point;
+  const reads = pt.weights_s + pt.kv_s;
   stats($('[data-testid="crossover-point"]'), [
     ["weight reads", fmt.time(pt.weights_s), "weights_s"],
     ["cache reads", fmt.time(pt.kv_s), "kv_s"],
+    ["compute", fmt.time(pt.compute_s), "compute_s"],
     ["decode step", fmt.time(pt.step_s), "step_s"],
-    ["dominant", pt.kv_s >= pt.weights_s ? "cache" : "weights", "dominant"],
+    ["dominant", pt.compute_s > reads ? "compute" : pt.kv_s >= pt.weights_s ? "cache" : "weights", "dominant"],
+    ["compute-bound from batch", v.compute_bound_batch == null ? "never" : fmt.int(v.compute_bound_batch),
+      "compute_bound_batch"],
     ["tokens/s (batch)", fmt.int(v.tokens_per_s), "tokens_per_s"],
   ]);
   // one unit for both charts, picked by the slowest step shown: s, ms or µs
@@ -298,16 +302,18 @@ async function runCrossover() {
   const series = [
     { label: `weights (${unit})`, stroke: "#555", width: 2 },
     { label: `cache (${unit})`, stroke: "#2a7de1", width: 2 },
+    { label: `compute (${unit})`, stroke: "#7048e8", width: 2 },
     { label: `step (${unit})`, stroke: "#e8590c", width: 2, dash: [4, 3] },
   ];
+  const data = (rows, x) => [rows.map((r) => r[x]), ...["weights_s", "kv_s", "compute_s", "step_s"].map((k) => col(rows, k))];
   lineChart($("#chart-batch"), {
     xLabel: "batch", yLabel: unit, logX: true, series,
-    data: [v.by_batch.map((r) => r.batch), col(v.by_batch, "weights_s"), col(v.by_batch, "kv_s"), col(v.by_batch, "step_s")],
+    data: data(v.by_batch, "batch"),
     markers: [{ x: cb, label: `cache dominates from ${fmt.int(cb)}`, color: "#c92a2a" }, { x: batch, label: "you", color: "#2b8a3e" }],
   });
   lineChart($("#chart-context"), {
     xLabel: "context (tokens)", yLabel: unit, logX: true, series,
-    data: [v.by_context.map((r) => r.context), col(v.by_context, "weights_s"), col(v.by_context, "kv_s"), col(v.by_context, "step_s")],
+    data: data(v.by_context, "context"),
     markers: [{ x: cc, label: `cache dominates from ${fmt.int(cc)}`, color: "#c92a2a" }, { x: context, label: "you", color: "#2b8a3e" }],
   });
 }
