@@ -16,51 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 
+from kvlab.engine.output import FinishReason, OutputProcessor
 from kvlab.models.attention import ContiguousKVCache, NoCache
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
-from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher, TokenLogprob, token_logprobs
-
-FinishReason = Literal["stop", "length"]
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, as vLLM does.
-
-    Decoding one token at a time is wrong twice over: a multi-byte character split across tokens
-    decodes to U+FFFD halves, and SentencePiece-style tokenizers drop a token's leading space
-    unless it is decoded after its neighbour. So we decode a short window (a few prompt tokens
-    for context, then everything not yet shown) and emit only the new suffix, holding back while
-    the text ends in an incomplete character.
-    """
-
-    CONTEXT = 5  # prompt tokens decoded before the first new token, for correct spacing
-
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int]) -> None:
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-self.CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return text[len(prefix):]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix):] if len(text) > len(prefix) else ""
+from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -110,7 +73,7 @@ def check_length(model: CausalLM, prompt_tokens: int, max_tokens: int) -> None:
 
 
 class Generation:
-    """One prompt's generation, streamed by iterating; ``result`` is set when it ends.
+    """One prompt's generation, streamed by iterating (once); ``result`` is set when it ends.
 
     Time the consumer spends between two deltas (printing, say) is not counted in the figures.
     """
@@ -121,19 +84,15 @@ class Generation:
         vocab = model.spec.vocab_size
         if any(not 0 <= int(i) < vocab for i in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
         self.model = model
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.params = params
-        self.tokenizer = tokenizer
         self.use_cache = use_cache
         self.result: GenerationResult | None = None
         self.cache: ContiguousKVCache | None = None
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(model.eos_token_ids)
-        self.stop_ids = frozenset(stop_ids)
+        # built here, not when iterating, so that a request it refuses (stop strings without a
+        # tokenizer) is refused at construction like the length checks above
+        self.output = OutputProcessor(params, self.prompt_ids, model.eos_token_ids, tokenizer)
 
     def __iter__(self) -> Iterator[Delta]:
         return self._run()
@@ -143,8 +102,7 @@ class Generation:
         model, params = self.model, self.params
         device = model.device
         sampler = Sampler(params, device)
-        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids) if self.tokenizer else None
-        matcher = StopStringMatcher(params.stop)
+        output = self.output
         n_prompt = len(self.prompt_ids)
         last = torch.tensor([n_prompt - 1], device=device)
 
@@ -169,25 +127,13 @@ class Generation:
         t_first = time.perf_counter()
 
         out: list[int] = []
-        text: list[str] = []
-        finish: FinishReason = "length"
         while True:
             out.append(token)
-            delta = ""
-            if token in self.stop_ids:
-                finish = "stop"
-            elif detok is not None:
-                delta = matcher.feed(detok.add(token))
-                if matcher.stopped:
-                    finish = "stop"
-            done = finish == "stop" or len(out) >= params.max_tokens
-            if done and detok is not None and not matcher.stopped:
-                delta += matcher.feed(detok.flush()) + matcher.flush()
-            text.append(delta)
+            delta = output.add(token)
             t_pause = time.perf_counter()
             yield Delta(token, delta, logprob)
             paused += time.perf_counter() - t_pause
-            if done:
+            if output.finished:
                 break
             if self.use_cache:
                 assert isinstance(backend, ContiguousKVCache)
@@ -201,12 +147,13 @@ class Generation:
                                torch.tensor([len(seq) - 1], device=device))
             token, logprob = pick(logits)
 
+        assert output.finish_reason is not None  # the loop above ends only when it is set
         t_end = time.perf_counter() - paused
         decode_s = t_end - t_first
         self.result = GenerationResult(
-            text="".join(text),
+            text=output.text,
             token_ids=out,
-            finish_reason=finish,
+            finish_reason=output.finish_reason,
             prompt_tokens=n_prompt,
             new_tokens=len(out),
             ttft_s=t_first - t0,

@@ -11,7 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvlab.cli import main
-from kvlab.generate import Generation, IncrementalDetokenizer, generate
+from kvlab.engine.output import IncrementalDetokenizer
+from kvlab.generate import Generation, generate
 from kvlab.models import ContiguousKVCache, HFTokenizer, NoCache, load
 from kvlab.models import loader as loader_mod
 from kvlab.sampling import SamplingParams

@@ -8,6 +8,7 @@
     kv_cache.py    the tensors: per-layer blocks, fp8 / int8 with scales, the host swap pool
     attention.py   paged attention backend (plain PyTorch)
     runner.py      a scheduled step -> tensors -> model
+    output.py      detokenising and stop rules of a request's tokens (the plain loop's too)
     engine.py      LLMEngine: requests in, token deltas out; metrics
     llm.py         LLM: the public API
     options.py     EngineOptions and their CLI flags

@@ -1,6 +1,6 @@
 """LLMEngine: requests in, token deltas out. One ``step()`` = schedule, run the model, sample,
-then apply stop rules exactly as the plain loop (``kvlab.generate``) does, so greedy output is the
-same token for token."""
+then hand each token to the request's ``OutputProcessor`` (``kvlab.engine.output``, the plain
+loop's too), so greedy output is the same token for token and ends the same way."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from kvlab.data import PERSUASION
 from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.options import EngineOptions
+from kvlab.engine.output import OutputProcessor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
 from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups, memory_budget
-from kvlab.generate import IncrementalDetokenizer
 from kvlab.hardware import system_memory
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
-from kvlab.sampling import Sampler, SamplingParams, StopStringMatcher, TokenLogprob, token_logprobs
+from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from kvlab.units import fmt_bytes
 
 log = logging.getLogger("kvlab.engine")
@@ -84,12 +84,9 @@ class _Request:
     seq: Sequence
     params: SamplingParams
     sampler: Sampler
-    stop_ids: frozenset[int]
-    detok: IncrementalDetokenizer | None
-    matcher: StopStringMatcher
+    output: OutputProcessor
     arrival: float
     ttft_s: float | None = None
-    text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -191,8 +188,6 @@ class LLMEngine:
         vocab = self.model.spec.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -201,12 +196,10 @@ class LLMEngine:
             # keeps the prefix cache from serving any of them (vLLM skips the cache likewise)
             cache_salt = f"{cache_salt or ''}\0prompt-logprobs:{request_id}"
         seq = Sequence(request_id, ids, params.max_tokens, cache_salt)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.model.eos_token_ids)
-        req = _Request(seq, params, Sampler(params, self.model.device), frozenset(stop_ids),
-                       IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
-                       StopStringMatcher(params.stop), time.perf_counter())
+        # a request also ends when it fills max_model_len (the scheduler admits up to that)
+        output = OutputProcessor(params, ids, self.model.eos_token_ids, self.tokenizer,
+                                 min(params.max_tokens, self.max_model_len - len(ids)))
+        req = _Request(seq, params, Sampler(params, self.model.device), output, time.perf_counter())
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         self.scheduler.add(seq)  # its admission check is the last one; nothing can fail after it
@@ -305,32 +298,20 @@ class LLMEngine:
         return out
 
     def _advance(self, req: _Request, token: int, now: float) -> RequestOutput:
-        """The plain loop's stop rules: stop ids, then stop strings, then length."""
+        """Hand the token to the request's output processor; a finished request lets go."""
         if req.ttft_s is None:
             req.ttft_s = now - req.arrival
-        seq, finish, delta = req.seq, None, ""
-        if token in req.stop_ids:
-            finish = "stop"
-        elif req.detok is not None:
-            delta = req.matcher.feed(req.detok.add(token))
-            if req.matcher.stopped:
-                finish = "stop"
-        if finish is None and (len(seq.output_ids) >= req.params.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
-            finish = "length"
-        if finish and req.detok is not None and not req.matcher.stopped:
-            delta += req.matcher.feed(req.detok.flush()) + req.matcher.flush()
-        req.text += delta
-        if finish:
-            del self.requests[seq.request_id]
-            self.scheduler.finish(seq.request_id)
-        return self._output(req, [token], delta, finish)
+        delta = req.output.add(token)
+        if req.output.finished:
+            del self.requests[req.seq.request_id]
+            self.scheduler.finish(req.seq.request_id)
+        return self._output(req, [token], delta, req.output.finish_reason)
 
     def _output(self, req: _Request, new: list[int], delta: str, finish: str | None) -> RequestOutput:
         seq = req.seq
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=seq.output_ids, text=req.text, new_token_ids=new, new_text=delta,
+            token_ids=seq.output_ids, text=req.output.text, new_token_ids=new, new_text=delta,
             finished=finish is not None, finish_reason=finish, ttft_s=req.ttft_s,
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
