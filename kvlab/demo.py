@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvlab.catalog import DEFAULT_MODEL
 from kvlab.engine.llm import LLM
 from kvlab.engine.options import EngineOptions
+from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.models.loader import Loaded
 from kvlab.plan import PlanRequest, make_plan
 from kvlab.sampling import SamplingParams
@@ -79,7 +80,7 @@ class DemoReport:
 
 def _track(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list[Move], int]:
     """Run the requests step by step; note each change of a chat's place (running, swapped,
-    waiting) from the engine's block map, which is what the server's live view reads too."""
+    waiting) from the scheduler's sequences, which the server's live view reads too."""
     engine = llm.engine
     rids = [engine.add_request(p, params) for p in prompts]
     chat = {rid: i for i, rid in enumerate(rids)}
@@ -89,9 +90,9 @@ def _track(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-        for r in engine.block_map()["requests"]:
-            rid, status = r["id"], r["status"]
-            blocks = sum(len(t) for t in r["blocks"])
+        for rid, seq in engine.scheduler.requests.items():
+            status = seq.status.value
+            blocks = sum(b != NULL_BLOCK for t in seq.block_tables for b in t)
             before = where.get(rid)
             if before == "running" and status != "running":
                 moves.append(Move(step, chat[rid], True, "swapped out to RAM" if status == "swapped"

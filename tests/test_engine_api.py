@@ -13,6 +13,7 @@ from kvlab import LLM, SamplingParams
 from kvlab.engine.options import EngineOptions, add_engine_args
 from kvlab.generate import generate
 from kvlab.models.loader import ByteTokenizer
+from kvlab.server.views import block_map
 from tests.test_engine_parity import (  # noqa: F401
     GREEDY, kv_bytes, prompts, reference, tiny_config, tiny_model)
 
@@ -110,7 +111,7 @@ def test_block_map_and_cached_blocks(model):
     engine.step()  # a's prompt is computed: its full blocks can be found by b
     b = engine.add_request(shared + own[1], GREEDY)
     engine.step()
-    snap = engine.block_map()
+    snap = block_map(engine)
     (group,) = snap["groups"]
     assert len(group["blocks"]) == snap["num_blocks"] == 64
     tables = {r["id"]: r["blocks"][0] for r in snap["requests"]}
@@ -122,7 +123,7 @@ def test_block_map_and_cached_blocks(model):
     while engine.has_unfinished():
         engine.step()
     m = engine.metrics()
-    assert m.kv_blocks_used == 0 and m.kv_blocks_cached == engine.block_map()["groups"][0]["blocks"].count("c") > 0
+    assert m.kv_blocks_used == 0 and m.kv_blocks_cached == block_map(engine)["groups"][0]["blocks"].count("c") > 0
 
 
 def test_bad_engine_setups(model):

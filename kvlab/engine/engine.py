@@ -348,25 +348,3 @@ class LLMEngine:
             evicted_tokens=s.num_evicted_tokens, kv_saturated_values=self.cache.saturated,
             running=len(s.running), waiting=s.num_waiting,
             swapped=s.num_swapped)
-
-    def block_map(self) -> dict:
-        """A snapshot of the block pools for drawing: per layer group one letter per block (f
-        free, u held by one request, s shared by several (a common prefix stored once), c free
-        but cached), and each request's blocks. One string per group keeps a pool of tens of
-        thousands of blocks to a few KB."""
-        kv = self.kv
-        groups = []
-        for group, pool in zip(kv.groups, kv.pools, strict=True):
-            states = ["s" if r > 1 else "u" if r else "f" for r in pool.ref_cnt]
-            for b in pool.cached_ids():
-                states[b] = "c"
-            name = "full attention" if group.window is None else f"sliding window {group.window}"
-            groups.append({"name": name, "layers": len(group.layers), "window": group.window,
-                           "blocks": "".join(states)})
-        requests = [{"id": rid, "status": seq.status.value, "num_tokens": seq.num_tokens,
-                     "num_prompt_tokens": seq.num_prompt_tokens,
-                     "num_cached_tokens": seq.num_cached_tokens,
-                     "blocks": [[b for b in t if b >= 0] for t in seq.block_tables]}
-                    for rid, seq in self.scheduler.requests.items()]
-        return {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "groups": groups,
-                "requests": requests}

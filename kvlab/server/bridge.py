@@ -28,6 +28,7 @@ from kvlab.models.tokenizer import ByteTokenizer, TextTokenizer
 from kvlab.sampling import SamplingParams, TokenLogprob
 from kvlab.server.errors import APIError
 from kvlab.server.metrics import EngineGauges, ServerMetrics
+from kvlab.server.views import block_map
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")
@@ -285,12 +286,12 @@ class EngineBridge:
             evicted_tokens=m.evicted_tokens, running=m.running, waiting=m.waiting, swapped=m.swapped)
 
     def block_map(self) -> dict[str, Any]:
-        """The engine's block map (``LLMEngine.block_map``) with the gauges; call through
-        ``call`` (engine thread only)."""
+        """The engine's block map (``views.block_map``) with the gauges; call through ``call``
+        (engine thread only)."""
         g = self._read_gauges()
         stats = {**asdict(g), "usage": g.usage, "hit_rate": g.hit_rate,
                  "free_blocks": g.num_blocks - g.used_blocks - g.cached_blocks}
-        return {**self.engine.block_map(), "stats": stats}
+        return {**block_map(self.engine), "stats": stats}
 
 
 def _put_all(batch: list[tuple[RequestStream, StepOutput | BaseException]]) -> None:

@@ -1,9 +1,10 @@
-"""What the page's planner, crossover, step-through and eviction views show, computed by kvlab's
-own code.
+"""What the page's planner, crossover, step-through, eviction and live cache views show, computed
+by kvlab's own code.
 
-The page only draws: every number comes from ``kvlab.plan.make_plan`` or from running
-``kvlab.generate.Generation`` on the served model, shaped here into what one view needs, so the
-browser holds no formula of its own and the page cannot drift from `kvlab plan` / `kvlab generate`.
+The page only draws: every number comes from ``kvlab.plan.make_plan``, from running
+``kvlab.generate.Generation`` on the served model or from the serving engine's own block pools
+and sequences, shaped here into what one view needs, so the browser holds no formula of its own
+and the page cannot drift from `kvlab plan` / `kvlab generate` / the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from kvlab.catalog import BUNDLED, find, load_spec
-from kvlab.engine.engine import MODEL_KV_DTYPE
+from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
 from kvlab.eviction import POLICIES, EvictionPolicy
 from kvlab.generate import Generation
 from kvlab.models import CausalLM
@@ -85,9 +86,8 @@ def plan_view(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_
 
 
 def _step(p: Plan) -> dict:
-    """A decode step's reads (weights, cache), its compute, and the step: the longer of them."""
     return {"weights_s": p.decode_weights_seconds, "kv_s": p.decode_kv_seconds,
-            "compute_s": p.decode_compute_seconds, "step_s": p.decode_step_seconds}
+            "step_s": p.decode_step_seconds}
 
 
 def _powers(top: int, start: int = 1) -> list[int]:
@@ -100,9 +100,8 @@ def _powers(top: int, start: int = 1) -> list[int]:
 
 def crossover_view(spec: ModelSpec, context: int, batch: int, kv_dtype: str, weights_dtype: str,
                    gpu: str) -> dict:
-    """Decode step time (the longer of weight + cache reads and compute) over batch at this
-    context and over context at this batch, with where the cache reads overtake the weight reads
-    on each axis and the batch from which the step is compute-bound."""
+    """Decode step time (weight reads + cache reads) over batch at this context and over context
+    at this batch, with where the cache reads overtake the weight reads on each axis."""
     def plan(c: int, b: int) -> Plan:
         return _plan(spec, c, b, kv_dtype, weights_dtype, gpu)
 
@@ -128,7 +127,6 @@ def crossover_view(spec: ModelSpec, context: int, batch: int, kv_dtype: str, wei
     by_context = [{"context": c, **_step(plan(c, batch))} for c in contexts]
     return {"model": spec.name, "gpu": here.gpu, "context": context, "batch": batch, "point": _step(here),
             "tokens_per_s": here.decode_tokens_per_s, "crossover_batch": cross_b,
-            "compute_bound_batch": here.compute_bound_batch,
             "crossover_context": cross_c, "by_batch": by_batch, "by_context": by_context,
             "max_batch_in_memory": here.max_sequences, "source": here.sources["decode_step"]}
 
@@ -254,3 +252,26 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
                     "kv_bytes_kept": len(kept) * per_token, "kv_bytes_full": n * per_token})
     return {"tokens": [_token(tokenizer, i) for i in ids], "budget": budget, "sinks": sinks,
             "chunk": chunk, "policies": out}
+
+
+def block_map(engine: LLMEngine) -> dict:
+    """A snapshot of the engine's block pools for drawing: per layer group one letter per block
+    (f free, u held by one request, s shared by several (a common prefix stored once), c free but
+    cached), and each request's blocks. One string per group keeps a pool of tens of thousands of
+    blocks to a few KB. Read it on the engine's thread, between two steps."""
+    kv = engine.kv
+    groups = []
+    for group, pool in zip(kv.groups, kv.pools, strict=True):
+        states = ["s" if r > 1 else "u" if r else "f" for r in pool.ref_cnt]
+        for b in pool.cached_ids():
+            states[b] = "c"
+        name = "full attention" if group.window is None else f"sliding window {group.window}"
+        groups.append({"name": name, "layers": len(group.layers), "window": group.window,
+                       "blocks": "".join(states)})
+    requests = [{"id": rid, "status": seq.status.value, "num_tokens": seq.num_tokens,
+                 "num_prompt_tokens": seq.num_prompt_tokens,
+                 "num_cached_tokens": seq.num_cached_tokens,
+                 "blocks": [[b for b in t if b >= 0] for t in seq.block_tables]}
+                for rid, seq in engine.scheduler.requests.items()]
+    return {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "groups": groups,
+            "requests": requests}
