@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +22,12 @@ LayerKind = Literal["full", "sliding", "chunked", "mla", "ssm", "none"]
 
 class ConfigError(ValueError):
     """A config that kvlab cannot read or that contradicts itself."""
+
+
+def rank_kv_heads(kv_heads: int, tp: int) -> int:
+    """KV heads each of `tp` tensor-parallel ranks holds: an even split, and past kv_heads ranks
+    one whole head each (replicated: a rank needs the head its query heads read, as in vLLM)."""
+    return max(1, kv_heads // tp)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,18 @@ class LayerSpec:
         if self.kind == "chunked" and self.window:
             return min(context, self.window)
         return context if self.has_kv else 0
+
+    def tp_shard(self, tp: int) -> LayerSpec:
+        """The part of this layer one of `tp` tensor-parallel ranks holds: its query heads, its
+        KV heads (``rank_kv_heads``), an MLA latent whole (every head reads all of it), SSM
+        state split with the SSM heads."""
+        if self.kind == "mla":
+            return self
+        if not self.has_kv:
+            return replace(self, num_heads=self.num_heads // tp, state_elems=self.state_elems // tp)
+        kv = rank_kv_heads(self.kv_heads, tp)
+        return replace(self, num_heads=self.num_heads // tp, kv_heads=kv,
+                       kv_vectors=tuple((kv, length) for _, length in self.kv_vectors))
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,11 @@ class ModelSpec:
             + layer.state_elems * state_bytes_per_elem
             for layer in self.layers
         )
+
+    def tp_shard(self, tp: int) -> ModelSpec:
+        """The layers one of `tp` tensor-parallel ranks holds (``LayerSpec.tp_shard``): its
+        cache per token is what that rank allocates. Parameters stay the whole model's."""
+        return self if tp == 1 else replace(self, layers=tuple(layer.tp_shard(tp) for layer in self.layers))
 
     def layer_kinds(self) -> dict[str, int]:
         counts: dict[str, int] = {}

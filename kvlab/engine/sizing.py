@@ -118,8 +118,10 @@ class KVCapacity:
 
 
 def kv_cache_capacity(spec: ModelSpec, kv_memory: int, block_size: int, kv_dtype: str,
-                      max_model_len: int) -> KVCapacity:
-    """Blocks, tokens and max concurrency that `kv_memory` bytes of `kv_dtype` cache give `spec`."""
+                      max_model_len: int, tp: int = 1) -> KVCapacity:
+    """Blocks, tokens and max concurrency that `kv_memory` bytes of `kv_dtype` cache give `spec`.
+    At tensor-parallel size `tp`, `kv_memory` and the bytes are one rank's (``ModelSpec.tp_shard``):
+    every rank holds the same block ids, each with its share of the KV heads."""
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     if max_model_len < 1:
@@ -128,7 +130,7 @@ def kv_cache_capacity(spec: ModelSpec, kv_memory: int, block_size: int, kv_dtype
         raise ValueError(f"kv_memory must be >= 0, got {kv_memory}")
     dtype = lookup_kv_dtype(kv_dtype)
     groups = layer_groups(spec)
-    per_token = spec.kv_bytes_per_token(dtype)
+    per_token = spec.tp_shard(tp).kv_bytes_per_token(dtype)
     fixed = dtype.fixed_bytes_per_tensor * 2 * sum(len(g.layers) for g in groups)
     blocks = max(0, (kv_memory - fixed) // (block_size * per_token))
     per_seq = max(g.blocks_per_seq(max_model_len, block_size) for g in groups)

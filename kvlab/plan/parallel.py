@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kvlab.dtypes import StorageDtype
-from kvlab.spec import LayerSpec, ModelSpec
+from kvlab.spec import LayerSpec, ModelSpec, rank_kv_heads
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP
 
@@ -29,6 +29,13 @@ def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
     return out
 
 
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """ValueError (one line) unless `tp` is one of the model's valid TP sizes."""
+    tps = valid_tp_sizes(spec)
+    if tp not in tps:
+        raise ValueError(f"--tp {tp} is not valid for {spec.name}: valid sizes are {', '.join(map(str, tps))}")
+
+
 def layer_kv_share(layer: LayerSpec, tp: int) -> float:
     """Fraction of a layer's cache that each GPU holds at this TP size.
 
@@ -38,7 +45,7 @@ def layer_kv_share(layer: LayerSpec, tp: int) -> float:
     if layer.kind == "mla":
         return 1.0
     if layer.has_kv:
-        return max(1, layer.kv_heads // tp) / layer.kv_heads
+        return rank_kv_heads(layer.kv_heads, tp) / layer.kv_heads
     return 1.0 / tp
 
 

@@ -18,7 +18,7 @@ from kvlab.hardware import Device, get_device, with_memory
 from kvlab.plan import capacity, speed
 from kvlab.plan.engines import llamacpp, vllm
 from kvlab.plan.memory import PREFILL_CHUNK, kv_without_gqa, layer_breakdown, weights_split
-from kvlab.plan.parallel import layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
+from kvlab.plan.parallel import check_tp, layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
 from kvlab.spec import ModelSpec
 
 __all__ = ["Plan", "PlanRequest", "make_plan", "RUNTIME_OVERHEAD", "PREFILL_CHUNK"]
@@ -151,8 +151,7 @@ def choose_parallelism(spec: ModelSpec, req: PlanRequest) -> tuple[list[int], in
     tps = valid_tp_sizes(spec)
     gpus = req.gpus or req.tp or 1
     tp = req.tp or max(t for t in tps if gpus % t == 0)
-    if tp not in tps:
-        raise ValueError(f"--tp {tp} is not valid for {spec.name}: valid sizes are {', '.join(map(str, tps))}")
+    check_tp(spec, tp)
     if gpus % tp:
         raise ValueError(f"--gpus {gpus} is not a multiple of --tp {tp}")
     return tps, tp, gpus
@@ -290,7 +289,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     cap = None
     if req.kv_memory is not None:
         try:
-            cap = kv_cache_capacity(spec, req.kv_memory, req.block_size, kvd.name, req.max_model_len or T)
+            cap = kv_cache_capacity(spec, req.kv_memory, req.block_size, kvd.name, req.max_model_len or T, tp)
         except ValueError as e:
             notes.append(f"engine KV cache: {e}")
 
