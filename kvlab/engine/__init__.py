@@ -7,7 +7,8 @@
     sizing.py      blocks / tokens / max concurrency of a KV budget (shared with kvlab.plan)
     kv_cache.py    the tensors: per-layer blocks, fp8 / int8 with scales, the host swap pool
     attention.py   paged attention backend (plain PyTorch)
-    runner.py      a scheduled step -> tensors -> model
+    runner.py      a scheduled step -> the model's input (plain data)
+    executor.py    where the model runs: here, or N tensor-parallel worker processes
     output.py      detokenising and stop rules of a request's tokens (the plain loop's too)
     engine.py      LLMEngine: requests in, token deltas out; metrics
     llm.py         LLM: the public API

@@ -16,12 +16,14 @@ from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.output import OutputProcessor
+from kvlab.engine.executor import CacheConfig, Executor, make_executor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
 from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.hardware import system_memory
 from kvlab.models.llama import CausalLM
+from kvlab.models.parallel import weight_bytes
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from kvlab.units import fmt_bytes
@@ -91,13 +93,14 @@ class _Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
-    """Bytes for the cache: --kv-memory, else the part of mem_util x device memory left after
-    the weights, one step's activations and logits and the runtime (`memory_budget`, the
-    planner's model), else (CPU) a fixed 1 GiB."""
+def kv_memory_for(options: EngineOptions, model: CausalLM, executor: Executor | None = None) -> int:
+    """Bytes for the cache (of each rank, under tensor parallelism): --kv-memory, else the part of
+    mem_util x device memory left after the weights (the executor's rank's), one step's
+    activations and logits and the runtime (`memory_budget`, the planner's model), else (CPU) a
+    fixed 1 GiB."""
     if options.kv_memory is not None:
         return options.kv_memory
-    device = model.device
+    device = executor.device if executor is not None else model.device
     if options.mem_util is None and device.type == "cpu":
         return CPU_KV_MEMORY
     util = options.mem_util if options.mem_util is not None else 0.9
@@ -105,7 +108,7 @@ def kv_memory_for(options: EngineOptions, model: CausalLM) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         total = system_memory()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = executor.weight_bytes if executor is not None else weight_bytes(model)
     # the planner's memory model, with this engine's step size and its fp32 logits
     kv = memory_budget(model.spec, total, util, weights, batched_tokens=options.max_num_batched_tokens,
                        sequences=options.max_num_seqs, on_gpu=device.type == "cuda",
@@ -128,8 +131,10 @@ def calibration_ids(tokenizer: TextTokenizer | None, vocab_size: int) -> list[in
 
 
 class LLMEngine:
+    """``device``: where tensor-parallel workers run (default: the model's device)."""
+
     def __init__(self, model: CausalLM, tokenizer: TextTokenizer | None = None,
-                 options: EngineOptions = EngineOptions()) -> None:
+                 options: EngineOptions = EngineOptions(), device: str | None = None) -> None:
         spec = model.spec
         limit = spec.max_position_embeddings
         max_model_len = options.max_model_len or limit
@@ -139,32 +144,42 @@ class LLMEngine:
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.max_model_len = max_model_len
         kv_dtype = MODEL_KV_DTYPE[model.dtype] if options.kv_dtype == "auto" else options.kv_dtype
-        self.capacity: KVCapacity = kv_cache_capacity(spec, kv_memory_for(options, model),
-                                                      options.block_size, kv_dtype, max_model_len)
-        blocks = self.capacity.blocks
-        if blocks == 0:
-            raise ValueError(f"the KV memory buys no block: one block of {options.block_size} "
-                             f"tokens takes {fmt_bytes(options.block_size * self.capacity.bytes_per_token)}")
         groups = layer_groups(spec)
         swap = options.preemption != "recompute"
-        self.kv = KVCacheManager(groups, blocks, options.block_size, options.prefix_caching,
-                                 num_host_blocks=blocks if swap else 0)
-        self.cache = PagedKVCache(spec, groups, blocks, options.block_size, kv_dtype, model.device)
-        if self.cache.nbytes != self.capacity.bytes:
-            raise RuntimeError(f"KV cache allocated {self.cache.nbytes} B, sizing said "
-                               f"{self.capacity.bytes} B")
-        if self.cache.scales:  # fp8: scales fixed once, from the same text for every run
-            self.cache.calibrate(model, calibration_ids(tokenizer, spec.vocab_size))
-        if swap:
-            self.cache.attach_host_pool(blocks, "ram" if options.preemption == "swap-ram" else "disk")
         self.eviction = EvictionPolicy(options.kv_policy, options.kv_budget)
         if self.eviction.active and any(g.window is not None for g in groups):
             raise ValueError(f"--kv-policy {self.eviction.name}: {spec.name} has sliding-window layers, "
                              f"which evict by their window already; use --kv-policy full")
+        if self.eviction.needs_scores and options.tp > 1:
+            raise ValueError(f"--kv-policy {self.eviction.name} reads attention scores, which tensor-"
+                             f"parallel ranks hold in pieces: use --tp 1 or --kv-policy window/streaming")
         self.eviction.check_unit(options.block_size)
+        self.executor: Executor = make_executor(model, options.tp, device, options.tp_timeout)
+        try:
+            self.capacity: KVCapacity = kv_cache_capacity(
+                spec, kv_memory_for(options, model, self.executor), options.block_size, kv_dtype,
+                max_model_len, options.tp)
+            blocks = self.capacity.blocks
+            if blocks == 0:
+                raise ValueError(f"the KV memory buys no block: one block of {options.block_size} tokens "
+                                 f"takes {fmt_bytes(options.block_size * self.capacity.bytes_per_token)}")
+            # fp8 scales are fixed once, from the same text for every run
+            nbytes = self.executor.init_cache(CacheConfig(
+                groups, blocks, options.block_size, kv_dtype,
+                None if not swap else "ram" if options.preemption == "swap-ram" else "disk",
+                calibration_ids(tokenizer, spec.vocab_size) if kv_dtype.startswith("fp8") else []))
+            if nbytes != self.capacity.bytes:
+                raise RuntimeError(f"KV cache allocated {nbytes} B, sizing said {self.capacity.bytes} B")
+        except BaseException:
+            self.executor.close()  # no worker process outlives a failed start
+            raise
+        # the cache tensors, when they live in this process (tp=1)
+        self.cache: PagedKVCache | None = self.executor.cache
+        self.kv = KVCacheManager(groups, blocks, options.block_size, options.prefix_caching,
+                                 num_host_blocks=blocks if swap else 0)
         self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
                                    max_model_len, swap, self.eviction)
-        self.runner = ModelRunner(model, self.cache, self.eviction)
+        self.runner = ModelRunner(self.executor, spec.vocab_size, self.eviction)
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
         self.swap_fallbacks = 0
@@ -173,6 +188,13 @@ class LLMEngine:
                  "max concurrency at %d tokens: %.2fx", blocks, c.block_size, c.tokens,
                  fmt_bytes(c.bytes), c.kv_dtype, len(groups), "s" if len(groups) > 1 else "",
                  max_model_len, c.max_concurrency)
+        if options.tp > 1:
+            log.info("tensor parallel: %d ranks, each with this cache (its share of the KV heads)",
+                     options.tp)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op at tp=1); the engine cannot step after."""
+        self.executor.close()
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
@@ -253,7 +275,7 @@ class LLMEngine:
         is full or turned read-only) become recomputes: those sequences keep their tokens and
         compute their K/V again, so nothing is lost but time."""
         try:
-            self.cache.swap_out(out.swap_out)
+            self.executor.swap_out(out.swap_out)
         except OSError as e:
             victims = [s for s in out.preempted if s.status is SeqStatus.SWAPPED]
             for seq in victims:
@@ -261,7 +283,7 @@ class LLMEngine:
             self.swap_fallbacks += len(victims)
             self.kv.swapped_out_blocks -= sum(map(len, out.swap_out))  # they never reached the host pool
             log.warning("swap-out failed (%s): %d preempted request(s) will recompute", e, len(victims))
-        self.cache.swap_in(out.swap_in)
+        self.executor.swap_in(out.swap_in)
 
     def _score_prompts(self, rows: dict[str, tuple[int, torch.Tensor]]) -> None:
         """Prompt logprobs from the rows the runner computed for them (a chunked prefill brings
@@ -345,6 +367,6 @@ class LLMEngine:
             prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
             swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
             swap_fallbacks=self.swap_fallbacks, evicted_blocks=s.num_evicted_blocks,
-            evicted_tokens=s.num_evicted_tokens, kv_saturated_values=self.cache.saturated,
+            evicted_tokens=s.num_evicted_tokens, kv_saturated_values=self.executor.saturated,
             running=len(s.running), waiting=s.num_waiting,
             swapped=s.num_swapped)

@@ -31,18 +31,26 @@ class LLM:
     """A model behind the paged engine. ``model``: a GGUF file, a checkpoint folder, a bundled name
     (default ``smollm2-135m``), a catalogue name / config.json with ``random_weights=True``, or a
     built CausalLM.
-    Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, ...)."""
+    Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, tp, ...).
+    With ``tp=N`` the model runs as N worker processes on ``device`` (see kvlab.engine.executor)."""
 
     def __init__(self, model: str | Path | CausalLM | None = None, *,
                  tokenizer: TextTokenizer | None = None, dtype: str = "bf16", device: str = "cpu",
                  random_weights: bool = False, seed: int = 0, **engine_options: Any) -> None:
         options = EngineOptions(**engine_options)
+        # tensor-parallel workers cut their shards from a whole model in this process's memory
+        parallel = options.tp > 1
         if isinstance(model, CausalLM):
             built = model
         else:
-            loaded = load(model, dtype, device=device, random_weights=random_weights, seed=seed)
+            loaded = load(model, dtype, device="cpu" if parallel else device,
+                          random_weights=random_weights, seed=seed)
             built, tokenizer = loaded.model, tokenizer or loaded.tokenizer
-        self.engine = LLMEngine(built, tokenizer, options)
+        self.engine = LLMEngine(built, tokenizer, options, device=device if parallel else None)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when this process ends)."""
+        self.engine.close()
 
     @property
     def capacity(self) -> KVCapacity:

@@ -41,6 +41,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def _budget(text: str) -> int | float:
     try:
         return parse_budget(text)  # type: ignore[return-value]
@@ -82,17 +92,26 @@ class EngineOptions:
         None, "tokens each sequence keeps under --kv-policy (256), or a ratio of its context (0.25)",
         type=_budget, metavar="N|RATIO")
 
+    tp: int = _opt(1, "tensor-parallel size: N worker processes on this machine, each with 1/N of "
+                   "the heads, FFN and KV cache (torch.distributed: gloo on CPU, NCCL on CUDA)",
+                   type=positive_int, metavar="N")
+    tp_timeout: float = _opt(300.0, "seconds a tensor-parallel step may take before the run ends "
+                             "as hung (default 300)", type=_seconds, metavar="SECONDS")
+
     def __post_init__(self) -> None:
         if isinstance(self.kv_memory, str):
             object.__setattr__(self, "kv_memory", parse_bytes(self.kv_memory))
         positive = ("block_size", "kv_memory", "max_model_len", "max_num_seqs",
-                    "max_num_batched_tokens")
+                    "max_num_batched_tokens", "tp")
         for name in positive:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.mem_util is not None and not 0 < self.mem_util <= 1:
             raise ValueError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
+        if isinstance(self.tp_timeout, bool) or not isinstance(self.tp_timeout, (int, float)) \
+                or not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be a positive number of seconds, got {self.tp_timeout!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         EvictionPolicy(self.kv_policy, self.kv_budget)  # raises a one-line ValueError

@@ -1,8 +1,10 @@
-"""Turns a scheduled step into tensors and runs the model once over all its tokens.
+"""Turns a scheduled step into the model's input and has the executor run it.
 
 Input ids and positions are the chunks' tokens laid end to end (no padding); the attention
 backend gets each sequence's block tables; logits are computed only at the last token of each
-chunk that samples. The step's block copies for swapping are the engine's, run before this.
+chunk that samples. The step goes to the executor as plain data (``StepInput``), so it reaches
+tensor-parallel workers as it is. The step's block copies for swapping are the engine's, run
+before this.
 """
 
 from __future__ import annotations
@@ -12,28 +14,20 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from kvlab.engine.attention import PagedAttention, SeqSpan
+from kvlab.engine.attention import SeqSpan
+from kvlab.engine.executor import Executor, StepInput
 from kvlab.eviction import EvictionPolicy
-from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.engine.sequence import Sequence
-from kvlab.hardware import available_memory
-from kvlab.models.llama import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedKVCache,
+    def __init__(self, executor: Executor, vocab_size: int,
                  eviction: EvictionPolicy = EvictionPolicy()) -> None:
-        self.model = model
-        self.cache = cache
+        self.executor = executor
+        self.vocab_size = vocab_size
         self.eviction = eviction
-        self.attn = PagedAttention(cache)
-        # bf16 on CPU: packed weight copies make decode matmuls ~1.5x faster (bit-identical);
-        # they cost the linear weights' bytes once more, so only when RAM has ample room.
-        if model.device.type == "cpu":
-            model.prepack(max_bytes=available_memory() // 2)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
                 score_prompt: Collection[str] = ()) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
         """Run the step. Returns logits [number of sampling chunks, vocab], in chunk order, and
@@ -41,11 +35,10 @@ class ModelRunner:
         tokens this step reaches: request id -> (first prompt position scored, logits), row j
         predicting the prompt token at that position + j. Those rows cost the last layer's
         o_proj, MLP and lm_head per prompt token, so they are computed only when asked."""
-        device = self.model.device
         if not out.chunks:
-            return torch.empty(0, self.model.spec.vocab_size, device=device), {}
+            return torch.empty(0, self.vocab_size), {}
         ids: list[int] = []
-        positions: list[Tensor] = []
+        positions: list[tuple[int, int]] = []
         last: list[int] = []
         scored: dict[str, tuple[int, range]] = {}
         spans = []
@@ -59,14 +52,12 @@ class ModelRunner:
                 if stop > chunk.start:
                     scored[seq.request_id] = (chunk.start + 1, range(len(ids), len(ids) + stop - chunk.start))
             ids.extend(seq.token_ids[chunk.start:end])
-            positions.append(torch.arange(chunk.start, end))
+            positions.append((chunk.start, end))
             if chunk.samples:
                 last.append(len(ids) - 1)
             spans.append(self._span(seq, chunk.start, chunk.num_tokens))
-        self.attn.prepare(spans, device)
         rows = last + [i for _, r in scored.values() for i in r]
-        logits = self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device),
-                            self.attn, torch.tensor(rows, dtype=torch.long, device=device))
+        logits = self.executor.execute(StepInput(ids, positions, spans, rows))
         prompt: dict[str, tuple[int, Tensor]] = {}
         at = len(last)
         for rid, (first, r) in scored.items():
@@ -80,7 +71,7 @@ class ModelRunner:
         if not self.eviction.needs_scores:
             return SeqSpan(seq.block_tables, start, num_tokens)
         if seq.scores is None or seq.scores.numel() < seq.num_tokens:
-            grown = torch.zeros(max(2 * seq.num_tokens, 64), dtype=torch.float32, device=self.model.device)
+            grown = torch.zeros(max(2 * seq.num_tokens, 64), dtype=torch.float32, device=self.executor.device)
             if seq.scores is not None:
                 grown[:seq.scores.numel()] = seq.scores
             seq.scores = grown

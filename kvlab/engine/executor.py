@@ -1,0 +1,370 @@
+"""Where the model runs: in this process, or as N tensor-parallel ranks in worker processes.
+
+The engine's own side (scheduler, block manager, sampling, stop rules) stays in the driver
+process whatever the executor. Each step it hands the executor a ``StepInput``: plain data (token
+ids, positions, each sequence's block tables), which a ``Worker`` turns into tensors and runs
+through its model over its cache. ``LocalExecutor`` calls one Worker holding the whole model.
+``TPExecutor`` starts N worker processes (vLLM's executor / worker split), each a Worker over
+its shard (``kvlab.models.parallel``) and its share of the KV heads, joined by torch.distributed
+(gloo on CPU, NCCL on CUDA) for the all-reduces inside the model. Every rank's block pool has the
+same blocks (the driver's block ids mean the same slots everywhere), so one message per step
+drives them all; rank 0 sends back the logits.
+
+The driver talks to the workers over pipes, never through a collective, so it can always watch
+them: a worker that dies (its process sentinel fires) or does not answer within ``timeout_s``
+(hung) ends the run with a ``WorkerError`` and every worker process is stopped. Workers stop by
+themselves when the driver goes away (their pipe closes) or a peer stops answering inside a
+collective (the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kvlab.engine.attention import PagedAttention, SeqSpan
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.kv_manager import BlockCopies
+from kvlab.engine.sizing import LayerGroup
+from kvlab.hardware import available_memory
+from kvlab.models.llama import CausalLM
+from kvlab.models.parallel import first_kv_head, shard_model, weight_bytes
+from kvlab.plan.parallel import check_tp
+
+log = logging.getLogger("kvlab.engine")
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One forward pass as plain data: the chunks' tokens end to end, each chunk's positions
+    [start, end), each sequence's span (block tables), and the rows that want logits."""
+
+    token_ids: list[int]
+    positions: list[tuple[int, int]]
+    spans: list[SeqSpan]
+    logits_rows: list[int]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache every rank allocates: the same blocks, each rank its own KV heads."""
+
+    groups: list[LayerGroup]
+    num_blocks: int
+    block_size: int
+    kv_dtype: str
+    host_pool: Literal["ram", "disk"] | None  # where preempted blocks are swapped, if anywhere
+    calibration_ids: list[int]  # the fixed text fp8 scales are set from (unused otherwise)
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died, hung or failed: the run cannot go on."""
+
+
+class Worker:
+    """One rank's model and KV cache (at tp=1, the whole model): runs steps."""
+
+    def __init__(self, model: CausalLM, rank: int = 0, tp: int = 1,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.rank, self.group = model, rank, group
+        self.spec = model.spec.tp_shard(tp)
+        self.cache: PagedKVCache | None = None
+        self.attn: PagedAttention | None = None
+        # with replicated KV heads, only the first rank holding a head counts its clamped values
+        heads, kv = self.spec.layers[0].num_heads * tp, model.spec.num_kv_heads
+        self.counts_saturation = rank == 0 or (first_kv_head(heads, kv, rank, tp)
+                                               != first_kv_head(heads, kv, rank - 1, tp))
+        # bf16 on CPU: packed weight copies make decode matmuls ~1.5x faster (bit-identical);
+        # they cost the linear weights' bytes once more, so only when RAM has ample room.
+        if model.device.type == "cpu":
+            model.prepack(max_bytes=available_memory() // 2)
+
+    @property
+    def saturated(self) -> int:
+        """fp8 values this rank clamped (0 for a copy of another rank's KV heads)."""
+        return self.cache.saturated if self.cache is not None and self.counts_saturation else 0
+
+    def init_cache(self, cfg: CacheConfig) -> int:
+        """Allocate the cache (fp8: set its scales; swap: attach the host pool); returns its bytes."""
+        cache = PagedKVCache(self.spec, cfg.groups, cfg.num_blocks, cfg.block_size, cfg.kv_dtype,
+                             self.model.device)
+        if cache.scales:  # one scale per layer for all heads: the largest any rank saw
+            cache.calibrate(self.model, cfg.calibration_ids)
+            if self.group is not None:
+                for scale in cache.scales.values():
+                    dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=self.group)
+        if cfg.host_pool is not None:
+            cache.attach_host_pool(cfg.num_blocks, cfg.host_pool)
+        self.cache, self.attn = cache, PagedAttention(cache)
+        return cache.nbytes
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> Tensor:
+        """Logits [len(step.logits_rows), vocab] (rank 0; other ranks: no columns)."""
+        assert self.attn is not None, "init_cache() first"
+        device = self.model.device
+        self.attn.prepare(step.spans, device)
+        positions = torch.cat([torch.arange(a, b) for a, b in step.positions])
+        return self.model(torch.tensor(step.token_ids, device=device), positions.to(device), self.attn,
+                          torch.tensor(step.logits_rows, dtype=torch.long, device=device))
+
+    def swap_out(self, copies: BlockCopies) -> None:
+        assert self.cache is not None
+        self.cache.swap_out(copies)
+
+    def swap_in(self, copies: BlockCopies) -> None:
+        assert self.cache is not None
+        self.cache.swap_in(copies)
+
+
+class Executor(Protocol):
+    """What the engine asks of wherever the model runs."""
+
+    device: torch.device  # where rank 0's model and cache live
+    weight_bytes: int  # one rank's weights (rank 0's, the largest: it holds the LM head)
+    cache: PagedKVCache | None  # the cache tensors, when they live in this process
+
+    def init_cache(self, cfg: CacheConfig) -> int: ...  # one rank's cache bytes
+    def execute(self, step: StepInput) -> Tensor: ...
+    def swap_out(self, copies: BlockCopies) -> None: ...  # OSError: the host pool refused
+    def swap_in(self, copies: BlockCopies) -> None: ...
+    @property
+    def saturated(self) -> int: ...  # fp8 values clamped so far, every rank's
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """The whole model in this process."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.worker = Worker(model)
+        self.device = model.device
+        self.weight_bytes = weight_bytes(model)
+        self.cache: PagedKVCache | None = None
+
+    def init_cache(self, cfg: CacheConfig) -> int:
+        nbytes = self.worker.init_cache(cfg)
+        self.cache = self.worker.cache
+        return nbytes
+
+    def execute(self, step: StepInput) -> Tensor:
+        return self.worker.execute(step)
+
+    def swap_out(self, copies: BlockCopies) -> None:
+        self.worker.swap_out(copies)
+
+    def swap_in(self, copies: BlockCopies) -> None:
+        self.worker.swap_in(copies)
+
+    @property
+    def saturated(self) -> int:
+        return self.worker.saturated
+
+    def close(self) -> None:
+        pass
+
+
+class TPExecutor:
+    """`tp` worker processes, one per rank, on this machine: fork on CPU (the children share the
+    loaded model's pages, nothing is copied or re-imported), spawn on CUDA (which cannot fork;
+    the model's tensors reach the children through shared memory). Each keeps its shard."""
+
+    def __init__(self, model: CausalLM, tp: int, device: str = "cpu", timeout_s: float = 300.0) -> None:
+        check_tp(model.spec, tp)
+        cuda = torch.device(device).type == "cuda"
+        ctx = torch.multiprocessing.get_context("spawn" if cuda else "fork")
+        self.tp, self.timeout_s = tp, timeout_s
+        self.cache: PagedKVCache | None = None  # every rank's cache lives in its worker
+        self.failure: str | None = None
+        self._saturated = [0] * tp  # each rank's count, as its last reply said
+        self._last_replies: list[Any] = []  # every rank's result of the last call
+        threads = max(1, torch.get_num_threads() // tp)  # the driver idles while workers compute
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        pipes = [ctx.Pipe() for _ in range(tp)]
+        self.conns = [ours for ours, _ in pipes]
+        self.procs: list[BaseProcess] = []
+        for rank, (_, theirs) in enumerate(pipes):
+            # a forked child inherits every pipe end made so far; it must close all but its own,
+            # or the driver's death (or a sibling's) would never close a pipe
+            inherited = [] if cuda else [c for pair in pipes for c in pair if c is not theirs]
+            proc = ctx.Process(target=_worker_main, name=f"kvlab-tp{rank}", daemon=True,
+                               args=(model, rank, tp, device, init, timeout_s, threads, theirs, inherited))
+            proc.start()
+            self.procs.append(proc)
+        for _, theirs in pipes:
+            theirs.close()  # only the children hold these ends: their death closes the pipe
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        info = self._call("info")
+        self.device = torch.device(info["device"])
+        self.weight_bytes = max(r["weight_bytes"] for r in self._last_replies)
+        self.rank_weight_bytes = [r["weight_bytes"] for r in self._last_replies]
+
+    # --- the engine's calls ----------------------------------------------------------------------
+    def init_cache(self, cfg: CacheConfig) -> int:
+        self._call("init_cache", cfg)
+        self.rank_cache_bytes: list[int] = list(self._last_replies)  # measured from each rank's tensors
+        if len(set(self.rank_cache_bytes)) != 1:
+            raise WorkerError(f"tensor-parallel ranks allocated different caches: {self.rank_cache_bytes} B")
+        return self.rank_cache_bytes[0]
+
+    def execute(self, step: StepInput) -> Tensor:
+        return self._call("execute", step)
+
+    def swap_out(self, copies: BlockCopies) -> None:
+        if any(copies):
+            self._call("swap_out", copies)
+
+    def swap_in(self, copies: BlockCopies) -> None:
+        if any(copies):
+            self._call("swap_in", copies)
+
+    @property
+    def saturated(self) -> int:
+        return sum(self._saturated)
+
+    def close(self) -> None:
+        """Stop every worker process (idempotent)."""
+        self._finalizer()
+
+    # --- the pipes ---------------------------------------------------------------------------------
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run `method` on every rank; rank 0's result. Each rank's result is kept in
+        ``_last_replies``. A worker's OSError is raised here as one (the engine recovers from a
+        failed swap-out); anything else ends the run."""
+        if self.failure is not None:
+            raise WorkerError(self.failure)
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:  # its end is closed: the process is gone
+                self._fail(self._death(rank))
+        replies: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        waiting = dict(enumerate(self.conns))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            ready = connection.wait([*waiting.values(), *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = ", ".join(map(str, sorted(waiting)))
+                self._fail(f"tensor-parallel worker(s) {ranks} did not answer {method} within "
+                           f"{self.timeout_s:g} s (hung?); all workers stopped")
+            for obj in ready:
+                if isinstance(obj, int):  # a sentinel: that process ended, which no call asks of it
+                    self._fail(self._death(sentinels[obj]))
+                rank = next(r for r, c in waiting.items() if c is obj)
+                try:
+                    ok, value, saturated = pickle.loads(obj.recv_bytes())
+                except (EOFError, OSError):
+                    self._fail(self._death(rank))
+                del waiting[rank]
+                self._saturated[rank] = saturated
+                if ok:
+                    replies[rank] = value
+                elif isinstance(value, OSError):
+                    errors[rank] = value
+                else:  # the ranks may now wait on each other in a collective: stop them all
+                    self._fail(f"tensor-parallel worker {rank} failed in {method}: {value}")
+        if errors:
+            raise next(iter(errors.values()))
+        self._last_replies = [replies[r] for r in range(self.tp)]
+        return replies[0]
+
+    def _death(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        how = (f"was killed by signal {-code}" if code is not None and code < 0 else
+               f"exited with status {code}" if code is not None else "closed its pipe")
+        return f"tensor-parallel worker {rank} (pid {proc.pid}) {how}; all workers stopped"
+
+    def _fail(self, message: str) -> None:
+        """Stop every worker and raise; every later call raises the same error."""
+        self.failure = message
+        log.error("%s", message)
+        for proc in self.procs:  # at once: a hung (or stopped) worker would not heed SIGTERM
+            proc.kill()
+        self.close()
+        raise WorkerError(message)
+
+
+def make_executor(model: CausalLM, tp: int = 1, device: str | None = None,
+                  timeout_s: float = 300.0) -> Executor:
+    """The whole model here (tp=1), or `tp` worker processes on `device` (default: the model's)."""
+    if tp == 1:
+        return LocalExecutor(model)
+    return TPExecutor(model, tp, device or str(model.device), timeout_s)
+
+
+# --- the worker process ------------------------------------------------------------------------------
+
+def _worker_main(model: CausalLM, rank: int, tp: int, device: str, init: str, timeout_s: float,
+                 threads: int, conn: connection.Connection,
+                 inherited: list[connection.Connection]) -> None:
+    """A rank's life: join the process group, keep its shard, then answer the driver's calls
+    until the pipe closes (the driver is gone or closed the executor)."""
+    for end in inherited:
+        end.close()
+    torch.set_num_threads(threads)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=tp,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        shard_model(model, rank, tp)
+        if cuda:
+            model.to(f"cuda:{rank}")
+        worker = Worker(model, rank, tp, dist.group.WORLD)
+        calls = {"info": lambda: {"device": str(model.device), "weight_bytes": weight_bytes(model)},
+                 "init_cache": worker.init_cache, "execute": lambda s: worker.execute(s).cpu(),
+                 "swap_out": worker.swap_out, "swap_in": worker.swap_in}
+        while True:
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            try:
+                reply = (True, calls[method](*args), worker.saturated)
+            except OSError as e:  # recoverable (a full swap disk): the driver decides
+                reply = (False, e, worker.saturated)
+            except Exception as e:  # the driver stops every rank: say why here, in full, first
+                log.exception("tensor-parallel worker %d: %s failed", rank, method)
+                reply = (False, RuntimeError(f"{type(e).__name__}: {e}"), 0)
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    finally:
+        dist.destroy_process_group()
+
+
+def _stop(procs: list[BaseProcess], conns: list[connection.Connection]) -> None:
+    """Close the pipes (idle workers leave on their own), then terminate, then kill."""
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        proc.join(timeout=2.0)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
