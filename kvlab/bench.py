@@ -3,8 +3,10 @@ Hugging Face transformers run the way users run it (static, left-padded batches)
 
 Figures: output tokens/s, TTFT and inter-token latency p50/p99, peak KV usage, KV waste
 (allocated-but-empty slots / slots holding tokens, at the peak), prefix hit rate; the
-compute bound (the workload's FLOPs at this machine's measured matmul peak), and for a single
-request its decode speed as a fraction of the memory-bandwidth bound of `kvlab plan`.
+compute bound (the workload's FLOPs at this machine's measured matmul peak), the fraction of
+peak reached in prefill steps (FLOP/s) and in decode steps (bytes/s of bandwidth, and FLOP/s),
+and for a single request its decode speed as a fraction of the memory-bandwidth bound of
+`kvlab plan`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvlab.dtypes import weight_dtype
 from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
 from kvlab.engine.options import EngineOptions
+from kvlab.engine.sequence import Sequence
+from kvlab.hardware import cpu_device
 from kvlab.models.llama import CausalLM
-from kvlab.plan import generation_flops
+from kvlab.plan import forward_flops, generation_flops
+from kvlab.plan.memory import weights_split
+from kvlab.plan.speed import weights_read
 from kvlab.sampling import SamplingParams
+from kvlab.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,18 @@ class BenchResult:
     bound_tokens_per_s: float | None = None  # memory-bandwidth bound of `kvlab plan --gpu cpu`
     matmul_peak_flops: float | None = None  # measured: one large matmul in the model's dtype
     compute_bound_tokens_per_s: float | None = None  # output tokens / (work at the matmul peak)
+    # the engine's steps by phase: prefill steps compute a prompt token or more, decode steps one
+    # new token per sequence; their FLOPs from `kvlab.plan.forward_flops`, decode's bytes are the
+    # weights and each sequence's cache read
+    prefill_seconds: float = 0.0
+    prefill_flops: float = 0.0
+    decode_seconds: float = 0.0
+    decode_flops: float = 0.0
+    decode_bytes: float = 0.0
+    memory_bandwidth: float | None = None  # bytes/s: `kvlab plan --gpu cpu`'s measured figure
+    prefill_peak_fraction: float | None = None  # achieved FLOP/s / matmul peak
+    decode_peak_fraction: float | None = None  # achieved FLOP/s / matmul peak
+    decode_bandwidth_fraction: float | None = None  # achieved bytes/s / memory bandwidth
     hf_output_tokens_per_s: float | None = None
     hf_batch_size: int | None = None
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
@@ -116,6 +136,47 @@ def _waste(engine: LLMEngine) -> tuple[int, int]:
             held += tokens
             empty += slots - tokens
     return empty, held
+
+
+@dataclass
+class Phases:
+    """Seconds, FLOPs and (decode) bytes of the engine's steps, split by phase. Each step is
+    read from the sequences around it: the tokens each computed (from the first not in its
+    cache, or its prefix-cache hit on admission) to its computed count after the step. A step
+    in which every sequence computed just its one new token is a decode step; any other (a
+    prompt chunk, alone or beside decodes) a prefill step."""
+
+    spec: ModelSpec
+    weights: tuple[int, int]  # bytes outside routed experts, bytes of routed experts
+    kv_dtype: str
+    prefill_seconds: float = 0.0
+    prefill_flops: float = 0.0
+    decode_seconds: float = 0.0
+    decode_flops: float = 0.0
+    decode_bytes: float = 0.0
+
+    @staticmethod
+    def before(engine: LLMEngine) -> list[tuple[Sequence, int, int]]:
+        """(sequence, computed tokens, tokens) of every sequence the next step may run."""
+        s = engine.scheduler
+        return [(q, q.num_computed_tokens, q.num_tokens) for q in [*s.running, *s.waiting]]
+
+    def add(self, before: list[tuple[Sequence, int, int]], seconds: float) -> None:
+        """Count one step that took `seconds`, from `before` (taken just ahead of it)."""
+        spans = []  # (first position computed, end, tokens before the step)
+        for seq, done, total in before:
+            start = done or seq.num_cached_tokens  # first admission: its prefix-cache hit
+            if seq.num_computed_tokens > start:
+                spans.append((start, seq.num_computed_tokens, total))
+        flops = sum(forward_flops(self.spec, a, b - a, int(b == t)) for a, b, t in spans)
+        if spans and all(a == t - 1 and b == t for a, b, t in spans):
+            self.decode_seconds += seconds
+            self.decode_flops += flops
+            self.decode_bytes += weights_read(self.spec, self.weights, len(spans)) + sum(
+                self.spec.kv_bytes_per_sequence(b, self.kv_dtype) for _, b, _ in spans)
+        else:
+            self.prefill_seconds += seconds
+            self.prefill_flops += flops
 
 
 def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
@@ -154,10 +215,15 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     tokens = 0
     done = 0
     peak_usage, waste_at_peak = 0.0, 0.0
+    phases = Phases(model.spec, weights_split(model.spec, weight_dtype(MODEL_KV_DTYPE[model.dtype])),
+                    engine.capacity.kv_dtype)
     with torch.inference_mode():
         while engine.has_unfinished():
+            before = phases.before(engine)
+            start = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
+            phases.add(before, now - start)
             m = engine.metrics()
             if m.kv_usage >= peak_usage:
                 empty, held = _waste(engine)
@@ -195,6 +261,9 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
         work_flops=sum(generation_flops(model.spec, len(p), n) for p, n in reqs),
         ttft_first_s=ttfts[0], ttft_mean_after_first_s=statistics.fmean(after) if after else ttfts[0],
         decode_tokens_per_s=(tokens - 1) / (seconds - ttfts[0]) if single else None,
+        prefill_seconds=phases.prefill_seconds, prefill_flops=phases.prefill_flops,
+        decode_seconds=phases.decode_seconds, decode_flops=phases.decode_flops,
+        decode_bytes=phases.decode_bytes,
         notes=["requests arrived one after another, each once the previous one had its first "
                "token"] if staggered and len(reqs) > 1 else [],
     )
@@ -267,10 +336,20 @@ def matmul_peak(model: CausalLM, rows: int = 2048, repeats: int = 3) -> float:
 
 
 def add_compute_bound(result: BenchResult, model: CausalLM) -> None:
-    """Fill the measured matmul peak and the throughput the workload's FLOPs allow at it."""
-    result.matmul_peak_flops = matmul_peak(model)
-    result.compute_bound_tokens_per_s = (result.output_tokens * result.matmul_peak_flops
-                                         / result.work_flops)
+    """Fill the measured matmul peak, the throughput the workload's FLOPs allow at it, and the
+    fraction of peak each phase reached: prefill and decode FLOP/s of the matmul peak, decode
+    bytes/s of this machine's measured bandwidth (a model off the CPU has no measured bandwidth
+    here, so its decode stays in FLOP/s)."""
+    peak = result.matmul_peak_flops = matmul_peak(model)
+    result.compute_bound_tokens_per_s = result.output_tokens * peak / result.work_flops
+    if result.prefill_seconds:
+        result.prefill_peak_fraction = result.prefill_flops / result.prefill_seconds / peak
+    if result.decode_seconds:
+        result.decode_peak_fraction = result.decode_flops / result.decode_seconds / peak
+        if model.device.type == "cpu":
+            result.memory_bandwidth = cpu_device().bandwidth
+            result.decode_bandwidth_fraction = (result.decode_bytes / result.decode_seconds
+                                                / result.memory_bandwidth)
 
 
 def bandwidth_bound(model: CausalLM, context: int) -> float:

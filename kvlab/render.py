@@ -206,6 +206,18 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
         t.add_row("compute bound (output tokens/s)", f"{r.compute_bound_tokens_per_s:,.1f}",
                   f"{fmt_flops(r.work_flops)} at the measured matmul peak "
                   f"{r.matmul_peak_flops / 1e9:,.0f} GFLOP/s; {share}")
+    if r.prefill_peak_fraction is not None:
+        t.add_row("prefill steps: of the matmul peak", f"{r.prefill_peak_fraction:.1%}",
+                  f"{r.prefill_flops / r.prefill_seconds / 1e9:,.1f} GFLOP/s: {fmt_flops(r.prefill_flops)} "
+                  f"in {fmt_seconds(r.prefill_seconds)}")
+    if r.decode_peak_fraction is not None:
+        bandwidth = (f"{r.decode_bandwidth_fraction:.1%}" if r.decode_bandwidth_fraction is not None
+                     else "no bandwidth figure")
+        reads = (f"{r.decode_bytes / r.decode_seconds / 1e9:,.2f} of {r.memory_bandwidth / 1e9:,.2f} GB/s; "
+                 if r.memory_bandwidth else "")
+        t.add_row("decode steps: of the bandwidth", bandwidth,
+                  f"{reads}FLOP/s {r.decode_peak_fraction:.2%} of the matmul peak "
+                  f"({fmt_flops(r.decode_flops)} in {fmt_seconds(r.decode_seconds)})")
     if r.decode_tokens_per_s is not None:
         t.add_row("decode tokens/s (batch 1)", f"{r.decode_tokens_per_s:,.1f}",
                   f"{r.decode_tokens_per_s / r.bound_tokens_per_s:.0%} of the bandwidth bound "

@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-from kvlab.bench import Workload, parse_range, run_engine, run_hf
+from kvlab.bench import Workload, add_compute_bound, parse_range, run_engine, run_hf
 from kvlab.cli import main
 from kvlab.engine.options import EngineOptions
-from kvlab.plan import generation_flops, prefill_flops
+from kvlab.dtypes import weight_dtype
+from kvlab.plan import decode_flops, generation_flops, prefill_flops
+from kvlab.plan.memory import weights_split
 from kvlab.sampling import SamplingParams
 from kvlab.spec import spec_from_config
 from tests.conftest import llama_like
@@ -68,6 +70,39 @@ def test_run_engine_matches_the_reference_and_counts(model):
     assert result.ttft_p50_s <= result.ttft_p99_s <= result.seconds
 
 
+def test_phases_split_the_workloads_flops(model):
+    """Continuous batching mixes prompt chunks and decodes; every step goes to one phase, so the
+    phases' FLOPs add up to the workload's (no prefix hits, no preemption here)."""
+    work = Workload(6, (3, 40), (2, 12), seed=1)
+    result, _ = run_engine(model, EngineOptions(kv_memory=kv_bytes(model, 64, 4), block_size=4,
+                                                max_num_batched_tokens=16), work)
+    assert result.prefix_hits == 0 and result.preemptions == 0
+    assert result.prefill_flops + result.decode_flops == pytest.approx(result.work_flops)
+    assert result.prefill_flops > 0 and result.decode_flops > 0
+    assert 0 < result.prefill_seconds + result.decode_seconds <= result.seconds
+
+
+def test_phases_of_one_request(model):
+    """One request: its prompt is the prefill phase; each later token a decode step that reads
+    the weights and the cache of every token so far."""
+    work = Workload(1, (20, 20), (6, 6), seed=3)
+    result, _ = run_engine(model, EngineOptions(kv_memory=kv_bytes(model, 64, 4), block_size=4), work)
+    spec = model.spec
+    assert result.prefill_flops == pytest.approx(prefill_flops(spec, 20))
+    contexts = range(21, 26)  # tokens 2..6 attend to the prompt, earlier tokens and themselves
+    assert result.decode_flops == pytest.approx(sum(decode_flops(spec, c) for c in contexts))
+    weights = sum(weights_split(spec, weight_dtype("fp32")))
+    assert weights == 4 * sum(p.numel() for p in model.parameters())  # fp32 weights, as loaded
+    kv = sum(c * spec.kv_bytes_per_token("fp32") for c in contexts)
+    assert result.decode_bytes == 5 * weights + kv
+    add_compute_bound(result, model)
+    peak = result.matmul_peak_flops
+    assert result.prefill_peak_fraction == pytest.approx(result.prefill_flops / result.prefill_seconds / peak)
+    assert result.decode_peak_fraction == pytest.approx(result.decode_flops / result.decode_seconds / peak)
+    assert result.decode_bandwidth_fraction == pytest.approx(
+        result.decode_bytes / result.decode_seconds / result.memory_bandwidth)
+
+
 def test_hf_runs_the_same_requests(model):
     work = Workload(5, (3, 30), (2, 10), seed=2)
     result, outputs = run_engine(model, EngineOptions(kv_memory=kv_bytes(model, 64, 4), block_size=4),
@@ -84,3 +119,6 @@ def test_cli_bench_json_on_the_bundled_model(capsys):
     assert r["matmul_peak_flops"] > 0
     assert r["compute_bound_tokens_per_s"] == pytest.approx(
         r["output_tokens"] * r["matmul_peak_flops"] / r["work_flops"])
+    assert r["prefill_flops"] + r["decode_flops"] == pytest.approx(r["work_flops"])
+    for phase in ("prefill_peak_fraction", "decode_peak_fraction", "decode_bandwidth_fraction"):
+        assert r[phase] > 0

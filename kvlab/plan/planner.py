@@ -269,7 +269,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     # computes its share of the step's tokens: 1/TP of each (all of it for its own sequences
     # under DP attention, where the GPUs hold TP times as many sequences in all)
     def weights_read(batch: int) -> float:
-        return (w_dense + w_experts * speed.experts_touched_fraction(spec, batch)) / tp
+        return speed.weights_read(spec, (w_dense, w_experts), batch) / tp
 
     def decode_compute(batch: int) -> float:
         """FLOPs per GPU of a step with `batch` sequences on each rank."""

@@ -21,6 +21,13 @@ def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
     return 1.0
 
 
+def weights_read(spec: ModelSpec, weights: tuple[int, int], batch: int) -> float:
+    """Bytes of weights one decode step of `batch` sequences reads: everything outside the routed
+    experts, and the share of `weights` = (those bytes, the experts' bytes) its tokens route to."""
+    dense, experts = weights
+    return dense + experts * experts_touched_fraction(spec, batch)
+
+
 _FAR = 2**62  # a length beyond any window: what a layer caches of it is its window
 
 
