@@ -144,7 +144,9 @@ class Phases:
     read from the sequences around it: the tokens each computed (from the first not in its
     cache, or its prefix-cache hit on admission) to its computed count after the step. A step
     in which every sequence computed just its one new token is a decode step; any other (a
-    prompt chunk, alone or beside decodes) a prefill step."""
+    prompt chunk, alone or beside decodes) a prefill step. Attention and cache reads are
+    counted over every earlier token: under a --kv-policy that keeps fewer, the decode figures
+    are upper estimates."""
 
     spec: ModelSpec
     weights: tuple[int, int]  # bytes outside routed experts, bytes of routed experts
