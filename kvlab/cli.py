@@ -136,8 +136,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights,
-                  seed=args.seed or 0)
+    if args.tp > 1 and args.no_cache:
+        raise UsageError("kvlab generate: --tp runs the paged engine, which always keeps a cache; "
+                         "drop --no-cache or --tp")
+    # tensor-parallel workers cut their shards from a whole model in this process's memory
+    loaded = load(args.model, args.dtype, device="cpu" if args.tp > 1 else args.device,
+                  random_weights=args.random_weights, seed=args.seed or 0)
     tok = loaded.tokenizer
     if tok.is_fallback:
         print(f"note: {loaded.model.name} has no tokenizer: the prompt is encoded as UTF-8 bytes "
@@ -146,20 +150,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = loaded.chat_template.encode(tok, [{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    gen = Generation(loaded.model, prompt_ids, params, tok, use_cache=not args.no_cache)
-    for delta in gen:
-        if not args.json:
-            print(delta.text, end="", flush=True)
-    result = gen.result
-    assert result is not None
+    if args.tp > 1:
+        result = _generate_tp(loaded.model, tok, prompt_ids, params, args.tp, args.device, args.json)
+    else:
+        gen = Generation(loaded.model, prompt_ids, params, tok, use_cache=not args.no_cache)
+        for delta in gen:
+            if not args.json:
+                print(delta.text, end="", flush=True)
+        assert gen.result is not None
+        result = gen.result
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-                          "tokenizer": tok.source, "chat": args.chat,
+                          "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
                           **result.as_dict()}))
     else:
         print()
-        print(result.figures(), file=sys.stderr)
+        print(result.figures() + (f" on each of {args.tp} ranks" if args.tp > 1 else ""), file=sys.stderr)
     return 0
+
+
+def _generate_tp(model, tokenizer, prompt_ids: list[int], params, tp: int, device: str,
+                 quiet: bool):
+    """One prompt through the paged engine on `tp` worker processes (the plain loop is one
+    process), with a cache of just the blocks it needs; the same figures as the plain loop's,
+    the KV bytes being one rank's."""
+    import time
+
+    from kvlab.engine.llm import LLM
+    from kvlab.engine.sizing import cdiv
+    from kvlab.generate import GenerationResult, check_length
+
+    check_length(model, len(prompt_ids), params.max_tokens)
+    total = len(prompt_ids) + params.max_tokens
+    per_token = model.spec.tp_shard(tp).kv_bytes_per_token(
+        {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(model.dtype), "bf16"))
+    llm = LLM(model, tokenizer=tokenizer, device=device, tp=tp, max_model_len=total,
+              kv_memory=cdiv(total, 16) * 16 * per_token)
+    try:
+        start = time.perf_counter()
+        out = first = None
+        for out in llm.stream([prompt_ids], params):
+            first = first or time.perf_counter()
+            if not quiet:
+                print(out.new_text, end="", flush=True)
+        end = time.perf_counter()
+    finally:
+        llm.close()
+    assert out is not None and first is not None
+    new = len(out.token_ids)
+    return GenerationResult(out.text, out.token_ids, out.finish_reason, len(prompt_ids), new, first - start,
+                            (new - 1) / (end - first) if new > 1 else 0.0, end - start,
+                            llm.capacity.bytes, True)
 
 
 # --- measure -----------------------------------------------------------------------------------
@@ -228,12 +269,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     options = EngineOptions.from_args(args)
     work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed)
-    loaded = load(args.model, args.dtype, device=args.device,
+    # tensor-parallel workers cut their shards from a whole model in this process's memory
+    loaded = load(args.model, args.dtype, device="cpu" if options.tp > 1 else args.device,
                   random_weights=args.random_weights, seed=args.seed)
     model = loaded.model
     with Progress(transient=True, disable=args.json) as bar:
         task = bar.add_task("kvlab engine", total=args.num_requests)
-        result, outputs = run_engine(model, options, work, lambda d, t: bar.update(task, completed=d))
+        result, outputs = run_engine(model, options, work, lambda d, t: bar.update(task, completed=d),
+                                     device=args.device)
         if args.compare == "hf":
             task = bar.add_task(f"transformers, batches of {args.hf_batch_size}", total=args.num_requests)
             hf_tps, hf_out = run_hf(model, work, args.hf_batch_size, lambda d, t: bar.update(task, completed=d))
@@ -261,7 +304,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    print_demo(run_demo(args.model, max_tokens=args.max_tokens))
+    print_demo(run_demo(args.model, max_tokens=args.max_tokens, tp=args.tp))
     return 0
 
 
@@ -381,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's; use 1 on a busy shared machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel size: run through the paged engine on N worker processes")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("measure", help="check the KV formula against the runtime's tensors and allocations")
@@ -462,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m)")
     p.add_argument("--max-tokens", type=positive_int, default=48,
                    help="new tokens per answer at most (default 48); the cache is sized from it")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel size: N worker processes, each with 1/N of the KV heads")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -107,9 +107,11 @@ def _track(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[
 
 
 def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 16,
-             preemption: str = "swap-ram") -> DemoReport:
+             preemption: str = "swap-ram", tp: int = 1) -> DemoReport:
     """Answer each question (greedy) with a cache that holds one whole conversation and a little
-    more, so the others wait, share the system prompt's blocks, and get preempted as they grow."""
+    more, so the others wait, share the system prompt's blocks, and get preempted as they grow.
+    With ``tp`` > 1 the model runs on that many worker processes and the cache figures are each
+    rank's (its share of the KV heads, the same blocks)."""
     from kvlab.models import load
 
     loaded = load(model)
@@ -117,16 +119,19 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
     longest = max(len(p) for p in prompts) + max_tokens
     blocks = -(-longest // block_size) + SPARE_BLOCKS
     spec = loaded.model.spec
-    options = EngineOptions(kv_memory=blocks * block_size * spec.kv_bytes_per_token("bf16"),
+    options = EngineOptions(kv_memory=blocks * block_size * spec.tp_shard(tp).kv_bytes_per_token("bf16"),
                             block_size=block_size, max_num_seqs=len(prompts),
                             max_num_batched_tokens=256, preemption=preemption,
-                            max_model_len=longest)
+                            max_model_len=longest, tp=tp)
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, **vars(options))
-    outs, moves, steps = _track(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    try:
+        outs, moves, steps = _track(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    finally:
+        llm.close()
     cap = llm.capacity
     plan = make_plan(spec, PlanRequest(context=longest, kv_dtype=cap.kv_dtype, gpu="cpu",
                                        kv_memory=options.kv_memory, block_size=block_size,
-                                       max_model_len=longest))
+                                       max_model_len=longest, tp=tp))
     name = model or DEFAULT_MODEL
     return DemoReport(
         model=loaded.model.name, system=SYSTEM,
@@ -136,7 +141,7 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
         moves=moves, steps=steps, options=options, max_model_len=longest,
         metrics=vars(llm.metrics()) | {"kv_cache_bytes": cap.bytes, "kv_bytes_per_token": cap.bytes_per_token},
         predicted={"kv_cache_blocks": plan.kv_cache_blocks, "kv_cache_tokens": plan.kv_cache_tokens,
-                   "max_concurrency": plan.max_concurrency, "kv_bytes_per_token": plan.kv_bytes_per_token},
+                   "max_concurrency": plan.max_concurrency, "kv_bytes_per_token": plan.kv_bytes_per_token_per_gpu},
         plan_command=(f"kvlab plan {name} --kv-dtype {cap.kv_dtype} --kv-memory {options.kv_memory} "
-                      f"--block-size {block_size} --max-model-len {longest}"),
+                      f"--block-size {block_size} --max-model-len {longest}" + (f" --tp {tp}" if tp > 1 else "")),
     )

@@ -296,6 +296,9 @@ def print_demo(d: DemoReport, console: Console | None = None) -> None:
 
     c.rule("[bold]4. The cache beside the plan", align="left")
     c.print(f"[dim]{d.plan_command}[/]")
+    if o.tp > 1:
+        c.print(f"Each of the {o.tp} tensor-parallel ranks holds this cache: the same blocks, each with "
+                f"its share of the KV heads (the plan's figures per GPU at --tp {o.tp}).")
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("", "engine (measured)", "kvlab plan (predicted)"):
         t.add_column(col, justify="right" if col else "left")

@@ -85,6 +85,7 @@ class Plan:
     kv_bytes_per_sequence: int
     kv_bytes_total: int
     kv_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int  # each TP rank's share: what kvlab's engine allocates per token
     kv_bytes_per_token_without_gqa: int | None
     kv_fixed_bytes: int
     kv_layout: str
@@ -307,6 +308,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         gpu=device.key, tp=tp, gpus=gpus,
         kv_bytes_per_token=spec.kv_bytes_per_token(kvd), kv_bytes_per_sequence=per_seq,
         kv_bytes_total=per_seq * B, kv_bytes_per_gpu=per_seq_gpu,
+        kv_bytes_per_token_per_gpu=spec.tp_shard(tp).kv_bytes_per_token(kvd),
         kv_bytes_per_token_without_gqa=kv_without_gqa(spec, kvd),
         kv_fixed_bytes=kvd.fixed_bytes_per_tensor * 2 * len(kv_layers), kv_layout=kvd.layout,
         layer_breakdown=layer_breakdown(spec, T, kvd, state_bytes),
