@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from kvlab.engine.engine import LLMEngine, RequestOutput
+from kvlab.engine.executor import WorkerError
 from kvlab.models.chat import ChatTemplate, ChatTemplateError
 from kvlab.models.tokenizer import ByteTokenizer, TextTokenizer
 from kvlab.sampling import SamplingParams, TokenLogprob
@@ -108,6 +109,8 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._shutdown_deadline: float | None = None  # set once the server is told to stop
+        self.fatal: str | None = None  # why the engine stopped for good (its worker processes are gone)
+        self.on_fatal: Callable[[], None] = lambda: None  # `kvlab serve` stops the server then
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -210,6 +213,12 @@ class EngineBridge:
                     continue
                 self._deliver(engine.step())
                 self.gauges = self._read_gauges()
+            except WorkerError as e:  # tensor-parallel workers died or hung: nothing can run again
+                log.error("engine stopped: %s", e)
+                self.fatal = str(e)
+                self._fail_all(e)
+                self.on_fatal()
+                return
             except Exception as e:  # a bug or OOM: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 self._fail_all(e)

@@ -4,7 +4,9 @@ Flag parsing imports nothing heavy (so `kvlab --help` stays fast); torch, the mo
 load only when the command runs. The server binds to 127.0.0.1 unless --host says otherwise: it
 runs arbitrary prompts on this machine, so any other address needs --api-key (or an explicit
 --allow-unauthenticated). SIGTERM (or Ctrl+C) stops it cleanly: new requests are refused, running
-ones get --shutdown-timeout seconds to finish and are then ended, and the process exits 0.
+ones get --shutdown-timeout seconds to finish and are then ended, and the process exits 0. With
+--tp, a worker process that dies or hangs fails the requests in flight and stops the server
+(exit 1, the error on stderr): the model cannot run without it.
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ def build_bridge(model: str | Path | None, options: EngineOptions | None = None,
     from kvlab.models import load
     from kvlab.server.bridge import EngineBridge
 
-    loaded = load(model, dtype, device=device, random_weights=random_weights, seed=seed)
-    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, **asdict(options or EngineOptions()))
+    options = options or EngineOptions()
+    # tensor-parallel workers cut their shards from a whole model in this process's memory
+    loaded = load(model, dtype, device="cpu" if options.tp > 1 else device, random_weights=random_weights,
+                  seed=seed)
+    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=device, **asdict(options))
     return EngineBridge(llm.engine, served_model_name or loaded.model.name, loaded.chat_template)
 
 
@@ -106,7 +111,12 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the stop signal once it has shut down; after a clean stop that should not
     # turn into death by SIGTERM (status 143), so the re-raised signal lands here and is dropped.
     signal.signal(signal.SIGTERM, lambda sig, frame: None)
-    _server(config, bridge, args.shutdown_timeout).run()
+    server = _server(config, bridge, args.shutdown_timeout)
+    bridge.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if bridge.fatal is not None:  # a tensor-parallel worker died or hung: the run is over
+        print(f"kvlab: {bridge.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
