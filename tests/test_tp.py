@@ -1,0 +1,174 @@
+"""Tensor parallelism (``--tp N``, ``LLM(tp=N)``): N gloo worker processes on this CPU.
+
+Greedy tokens at tp=2 and tp=4 equal tp=1 (prefix hits, chunked prefill, preemption by
+recompute and swap, an fp8 cache), including a model whose KV heads are fewer than the ranks
+(replicated); each rank's cache tensors hold exactly the plan's kv_bytes_per_gpu; an invalid size
+gets the planner's message; a worker that is killed or hangs ends the run with a clear error and
+leaves no process behind. fp32 tiny models: the ranks' partial sums differ from one matmul by
+rounding only, far below the gaps between these models' top logits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvlab.engine.executor import TPExecutor, WorkerError
+from kvlab.engine.llm import LLM
+from kvlab.plan import PlanRequest, make_plan
+from kvlab.sampling import SamplingParams
+from tests.test_engine_parity import prompts, tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """4 query heads, 2 KV heads: tp=2 splits the KV heads, tp=4 replicates each on 2 ranks."""
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def workload():
+    shared = prompts((24,), seed=1)[0]  # a common prefix: later prompts hit the prefix cache
+    return [shared + p for p in prompts((5, 17, 9, 3), seed=2)] + prompts((33, 12), seed=3)
+
+
+def run(model, batch, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, **options)
+    try:
+        first = llm.generate(batch[:1], GREEDY)  # cached first, so the others hit its prefix
+        rest = llm.generate(batch[1:], GREEDY)
+        return [o.token_ids for o in first + rest], llm
+    finally:
+        llm.close()
+
+
+def rank_kv_bytes(model, blocks: int, options: dict, tp: int) -> int:
+    """kv_memory that buys each of `tp` ranks `blocks` blocks (fp32-sized: enough for any dtype)."""
+    return blocks * options.get("block_size", 16) * model.spec.tp_shard(tp).kv_bytes_per_token("fp32")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("blocks, options", [
+    pytest.param(512, {}, id="prefix-hits"),
+    pytest.param(14, {"block_size": 4, "max_num_batched_tokens": 16}, id="preempt-recompute-chunked"),
+    pytest.param(14, {"block_size": 4, "preemption": "swap-ram"}, id="preempt-swap"),
+    pytest.param(512, {"kv_dtype": "fp8_e4m3"}, id="fp8"),
+])
+def test_greedy_tokens_equal_tp1(model, workload, blocks, options):
+    ref, one = run(model, workload, kv_memory=rank_kv_bytes(model, blocks, options, 1), **options)
+    for tp in (2, 4):  # the same blocks: each rank's memory holds its share of the heads
+        out, llm = run(model, workload, tp=tp, kv_memory=rank_kv_bytes(model, blocks, options, tp), **options)
+        assert out == ref, f"tp={tp}"
+        m = llm.metrics()
+        assert m.prefix_cache_hits == one.metrics().prefix_cache_hits > 0
+        assert m.preemptions == one.metrics().preemptions
+        assert (m.preemptions > 0) == (blocks < 512)
+
+
+def test_kv_heads_fewer_than_ranks_replicate(model):
+    """tp=4 over 2 KV heads: every rank holds one whole head (its query head's), as the plan says."""
+    plan = make_plan(model.spec, PlanRequest(context=64, kv_dtype="fp32", tp=4))
+    assert plan.kv_replicated
+    per_rank = model.spec.tp_shard(4)
+    assert {layer.kv_heads for layer in per_rank.layers} == {1}
+    assert per_rank.kv_bytes_per_token("fp32") * 2 == model.spec.kv_bytes_per_token("fp32")
+
+
+@pytest.mark.parametrize("tp, kv_dtype", [(1, "fp32"), (2, "fp32"), (4, "fp32"), (2, "int8"), (4, "int8")])
+def test_rank_cache_bytes_equal_the_plan(model, tp, kv_dtype):
+    """Each rank's cache tensors, measured in the worker, hold the plan's kv_bytes_per_gpu for a
+    context of as many tokens as the pool; and --kv-memory buys the plan's blocks per rank."""
+    tokens = 256
+    plan = make_plan(model.spec, PlanRequest(context=tokens, kv_dtype=kv_dtype, tp=tp, block_size=16,
+                                             kv_memory=None))
+    llm = LLM(model, kv_memory=plan.kv_bytes_per_gpu, kv_dtype=kv_dtype, tp=tp)
+    try:
+        ex = llm.engine.executor
+        measured = ex.rank_cache_bytes if isinstance(ex, TPExecutor) else [llm.engine.cache.nbytes]
+        assert measured == [plan.kv_bytes_per_gpu] * tp
+        assert llm.capacity.tokens == tokens
+        sized = make_plan(model.spec, PlanRequest(context=tokens, kv_dtype=kv_dtype, tp=tp, block_size=16,
+                                                  kv_memory=plan.kv_bytes_per_gpu))
+        assert sized.kv_cache_blocks == llm.capacity.blocks
+    finally:
+        llm.close()
+
+
+def test_invalid_tp_gets_the_planners_message(model):
+    with pytest.raises(ValueError, match=r"^--tp 3 is not valid for tiny: valid sizes are 1, 2, 4"):
+        LLM(model, kv_memory="1MiB", tp=3)
+    with pytest.raises(ValueError, match="h2o reads attention scores"):
+        LLM(model, kv_memory="1MiB", tp=2, kv_policy="h2o", kv_budget=32)
+
+
+def test_killed_worker_ends_the_run_and_frees_every_process(model, workload):
+    llm = LLM(model, kv_memory="1MiB", tp=2)
+    procs = llm.engine.executor.procs
+    os.kill(procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) was killed by signal 9"):
+        llm.generate(workload, GREEDY)
+    assert time.monotonic() - start < 10
+    assert all(_gone(p.pid) for p in procs)
+    with pytest.raises(WorkerError, match="killed by signal 9"):  # and stays ended
+        llm.generate(workload[:1], GREEDY)
+
+
+def test_hung_worker_times_out_and_frees_every_process(model, workload):
+    llm = LLM(model, kv_memory="1MiB", tp=2, tp_timeout=2)
+    procs = llm.engine.executor.procs
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker\(s\) [0-9, ]+ did not answer execute within 2 s"):
+        llm.generate(workload, GREEDY)
+    assert time.monotonic() - start < 15
+    assert all(_gone(p.pid) for p in procs)
+
+
+def test_server_with_tp_survives_a_client_disconnect(tmp_path):
+    """`kvlab serve --tp 2`: a client that leaves mid-stream aborts its request, its blocks are
+    freed, and the server goes on answering (the same tokens as at tp=1); a worker that dies
+    fails the request in flight with the reason and stops the engine."""
+    import httpx
+
+    from tests.test_server_fixtures import MODEL_ID, LiveServer, tiny_bridge
+
+    body = {"model": MODEL_ID, "prompt": "the cache holds", "max_tokens": 12, "temperature": 0}
+    solo = LiveServer(tiny_bridge(tmp_path / "one"))
+    try:
+        expected = httpx.post(f"{solo.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    finally:
+        solo.stop()
+    live = LiveServer(tiny_bridge(tmp_path / "two", tp=2))
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            long = {**body, "max_tokens": 200, "stream": True, "ignore_eos": True}
+            with http.stream("POST", "/v1/completions", json=long) as r:
+                lines = r.iter_lines()
+                assert any(next(lines).startswith("data:") for _ in range(6))
+            deadline = time.monotonic() + 20
+            while live.bridge.engine.kv.num_used_blocks and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert live.bridge.engine.kv.num_used_blocks == 0
+            assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+            # a worker that dies ends the run: the request in flight fails, saying why
+            os.kill(live.bridge.engine.executor.procs[1].pid, signal.SIGKILL)
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code >= 500 and "killed by signal 9" in r.text
+            assert "worker 1" in (live.bridge.fatal or "") and http.get("/health").status_code == 503
+            assert all(_gone(p.pid) for p in live.bridge.engine.executor.procs)
+    finally:
+        live.stop()
+        live.bridge.engine.close()
