@@ -86,8 +86,9 @@ def plan_view(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_
 
 
 def _step(p: Plan) -> dict:
+    """A decode step's reads (weights, cache), its compute, and the step: the longer of them."""
     return {"weights_s": p.decode_weights_seconds, "kv_s": p.decode_kv_seconds,
-            "step_s": p.decode_step_seconds}
+            "compute_s": p.decode_compute_seconds, "step_s": p.decode_step_seconds}
 
 
 def _powers(top: int, start: int = 1) -> list[int]:
@@ -100,8 +101,9 @@ def _powers(top: int, start: int = 1) -> list[int]:
 
 def crossover_view(spec: ModelSpec, context: int, batch: int, kv_dtype: str, weights_dtype: str,
                    gpu: str) -> dict:
-    """Decode step time (weight reads + cache reads) over batch at this context and over context
-    at this batch, with where the cache reads overtake the weight reads on each axis."""
+    """Decode step time (the longer of weight + cache reads and compute) over batch at this
+    context and over context at this batch, with where the cache reads overtake the weight reads
+    on each axis and the batch from which the step is compute-bound."""
     def plan(c: int, b: int) -> Plan:
         return _plan(spec, c, b, kv_dtype, weights_dtype, gpu)
 
@@ -127,6 +129,7 @@ def crossover_view(spec: ModelSpec, context: int, batch: int, kv_dtype: str, wei
     by_context = [{"context": c, **_step(plan(c, batch))} for c in contexts]
     return {"model": spec.name, "gpu": here.gpu, "context": context, "batch": batch, "point": _step(here),
             "tokens_per_s": here.decode_tokens_per_s, "crossover_batch": cross_b,
+            "compute_bound_batch": here.compute_bound_batch,
             "crossover_context": cross_c, "by_batch": by_batch, "by_context": by_context,
             "max_batch_in_memory": here.max_sequences, "source": here.sources["decode_step"]}
 
