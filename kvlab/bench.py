@@ -183,7 +183,7 @@ class Phases:
 
 def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
                progress: Callable[[int, int], None] = lambda done, total: None,
-               staggered: bool | None = None) -> tuple[BenchResult, list[list[int]]]:
+               staggered: bool | None = None, device: str | None = None) -> tuple[BenchResult, list[list[int]]]:
     """Add every request at once (offline throughput), step until all finish.
 
     With a shared prefix (or ``staggered``), requests arrive one after another instead: each
@@ -191,8 +191,9 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     The first request's TTFT is then the cold one and the others' show what the prefix cache
     saves (added all at once, the first steps would compute the prefix for several requests
     and everyone would queue behind them). TTFT counts from each request's arrival.
-    Returns the figures and each request's generated ids, in request order."""
-    engine = LLMEngine(model, None, options)
+    Returns the figures and each request's generated ids, in request order. ``device``: where
+    tensor-parallel workers run (``options.tp`` > 1; default the model's device)."""
+    engine = LLMEngine(model, None, options, device)
     reqs = work.requests(model.spec.vocab_size)
     staggered = work.shared_prefix > 0 if staggered is None else staggered
     t0 = time.perf_counter()
@@ -245,6 +246,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
             if staggered and latest in ttft and len(ids) < len(reqs):
                 latest = submit(len(ids))
     seconds = time.perf_counter() - t0
+    engine.close()  # tensor-parallel workers, if any: the figures below are the driver's
     m = engine.metrics()
     order = sorted(ttft, key=lambda r: ids[r])
     ttfts = [ttft[r] for r in order]
