@@ -10,13 +10,15 @@ one token in the loop) and says which units stay:
 - ``streaming``: ``sinks`` first tokens + the most recent (StreamingLLM, arXiv 2309.17453);
 - ``h2o``: half the budget for the recent tokens, half for the "heavy hitters", the tokens with
   the most attention accumulated over every query so far (arXiv 2306.14048);
-- ``snapkv``: once the prompt is in, its last ``obs_window`` positions vote (attention pooled over
-  7 neighbouring positions) for the earlier tokens worth keeping, + the recent window
+- ``snapkv``: once the prompt is in, its last ``obs_window`` positions vote (attention summed
+  over 7 neighbouring positions) for the earlier tokens worth keeping, + the recent window
   (arXiv 2404.14469). Tokens generated later have no votes: they leave in age order.
 
 One kept set per sequence, shared by all layers and heads: a KV block holds every layer's and
 head's K/V of its tokens, so per-head selection (as the papers do) would only mask tokens and
-free no memory. Attention scores are summed over layers and heads. Keys keep the RoPE positions
+free no memory. Attention scores are summed over layers and heads, in fixed point (``fixed_point``):
+integer sums do not depend on their order, so the same tokens are evicted however the queries
+were batched or chunked. Keys keep the RoPE positions
 they were written with (evicting never renumbers the rest), as in any paged cache.
 
 A policy evicts only once the kept tokens exceed the budget, and never a unit still being
@@ -34,6 +36,12 @@ from torch import Tensor
 POLICIES = ("full", "window", "streaming", "h2o", "snapkv")
 SCORED = ("h2o", "snapkv")  # policies that need attention scores from the runtime
 SNAPKV_POOL = 7  # SnapKV's pooling kernel over positions
+SCORE_ONE = 2**32  # an attention weight of 1.0 in fixed point (int64 holds 2**31 such weights)
+
+
+def fixed_point(weights: Tensor) -> Tensor:
+    """Attention weights (floats in [0, 1]) as int64 fixed point, the unit of every score."""
+    return (weights.double() * SCORE_ONE).round_().long()
 
 
 def parse_budget(text: str | int | float | None) -> int | float | None:
@@ -149,17 +157,20 @@ class EvictionPolicy:
         out[last] = True
         room = allowed - int(out.sum())
         if room > 0 and self.needs_scores and scores is not None:
-            per_unit = torch.zeros(units, dtype=torch.float32, device=scores.device)
-            per_unit.index_add_(0, torch.arange(n, device=scores.device) // unit, scores[:n].float())
+            votes = _pooled(scores[:n]) if self.name == "snapkv" else scores[:n]
+            per_unit = torch.zeros(units, dtype=torch.long, device=scores.device)
+            per_unit.index_add_(0, torch.arange(n, device=scores.device) // unit, votes)
             candidates = torch.nonzero(kept & ~out, as_tuple=False).flatten()
             best = candidates[per_unit[candidates].argsort(descending=True, stable=True)[:room]]
             out[best] = True
         return out
 
 
-def snapkv_votes(weights: Tensor) -> Tensor:
-    """SnapKV's votes of an observation window: attention weights [queries, keys] (already summed
-    over heads) -> per-key score, summed over the queries and pooled over neighbouring keys."""
-    votes = weights.float().sum(0)[None, None]
-    return torch.nn.functional.avg_pool1d(votes, SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2,
-                                          count_include_pad=False)[0, 0]
+def _pooled(scores: Tensor) -> Tensor:
+    """SnapKV's pooling: each position's score summed with its neighbours' (``SNAPKV_POOL``
+    positions centred on it), so a token next to a voted one stays with it."""
+    half = SNAPKV_POOL // 2
+    sums = torch.cat([scores.new_zeros(1), scores.cumsum(0)])
+    idx = torch.arange(scores.numel(), device=scores.device)
+    hi = (idx + half + 1).clamp(max=scores.numel())
+    return sums[hi] - sums[(idx - half).clamp(min=0)]

@@ -11,7 +11,7 @@ import torch
 from kvlab.cli import main
 from kvlab.engine.llm import LLM
 from kvlab.evaluate import perplexity_engine, perplexity_loop
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import SCORE_ONE, EvictionPolicy, fixed_point
 from kvlab.sampling import SamplingParams
 from tests.test_engine_parity import kv_bytes, prompts, tiny_model
 
@@ -39,13 +39,27 @@ def test_window_and_streaming_choices():
 
 
 def test_h2o_keeps_heavy_hitters_and_snapkv_votes():
-    scores = torch.zeros(160)
-    scores[40:48] = 5.0  # block 2 and block 5 drew the most attention
-    scores[80:84] = 3.0
+    scores = torch.zeros(160, dtype=torch.long)
+    scores[40:48] = 5 * SCORE_ONE  # block 2 and block 5 drew the most attention
+    scores[80:84] = 3 * SCORE_ONE
     keep = EvictionPolicy("h2o", 64).keep(_kept(10), 160, 16, scores)
     assert keep.tolist() == [False, False, True, False, False, True, False, False, True, True]
     snap = EvictionPolicy("snapkv", 64, obs_window=16).keep(_kept(10), 160, 16, scores)
     assert int(snap.sum()) == 4 and snap[2] and snap[5] and snap[9]
+
+
+def test_snapkv_votes_are_pooled_over_neighbours_and_sum_in_any_order():
+    scores = torch.zeros(40, dtype=torch.long)
+    scores[10] = 9 * SCORE_ONE  # one voted token: its neighbours (within 3) come along
+    scores[30] = 5 * SCORE_ONE
+    keep = EvictionPolicy("snapkv", 17, sinks=0, obs_window=4).keep(torch.ones(40, dtype=torch.bool), 40, 1, scores)
+    # 4 recent + 13 by pooled votes: all 7 around position 10, then 6 of the 7 around 30 (ties
+    # go to the older position)
+    assert torch.nonzero(keep).flatten().tolist() == [*range(7, 14), *range(27, 33), *range(36, 40)]
+    # fixed point: one sum, whatever the grouping (float32 sums of the same weights differ)
+    w = torch.rand(4096, dtype=torch.float32)
+    parts = sum(fixed_point(c).sum() for c in w.split(7))
+    assert int(parts) == int(fixed_point(w).sum())
 
 
 def test_bad_budgets_are_one_line_errors(capsys):

@@ -71,7 +71,7 @@ class ModelRunner:
         if not self.eviction.needs_scores:
             return SeqSpan(seq.block_tables, start, num_tokens)
         if seq.scores is None or seq.scores.numel() < seq.num_tokens:
-            grown = torch.zeros(max(2 * seq.num_tokens, 64), dtype=torch.float32, device=self.executor.device)
+            grown = torch.zeros(max(2 * seq.num_tokens, 64), dtype=torch.long, device=self.executor.device)
             if seq.scores is not None:
                 grown[:seq.scores.numel()] = seq.scores
             seq.scores = grown

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import EvictionPolicy, fixed_point
 from kvlab.spec import LayerSpec, ModelSpec
 
 
@@ -80,7 +80,8 @@ def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
 
     q [n, H, D]; keys/vals [KV, L, D]; mask [n, L] (True = may attend) or None (every query sees
     every key); voters [n] bool: the queries whose weights count (None: all). Returns the output
-    [n, H, D] and the attention mass per key [L] (fp32, summed over heads and voting queries).
+    [n, H, D] and the attention mass per key [L] (int64 fixed point, ``fixed_point``, summed
+    over heads and voting queries).
     Queries go in chunks of ``SCORE_CHUNK`` rows, so the weights held at once are [H, chunk, L],
     never [H, n, L] for a long prompt.
     """
@@ -88,7 +89,7 @@ def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
     kv, length = keys.shape[0], keys.shape[1]
     group = h // kv
     out = torch.empty_like(q)
-    mass = torch.zeros(length, dtype=torch.float32, device=q.device)
+    mass = torch.zeros(length, dtype=torch.long, device=q.device)
     kf, vf = keys.float(), vals.float()
     for a in range(0, n, SCORE_CHUNK):
         b = min(n, a + SCORE_CHUNK)
@@ -100,7 +101,9 @@ def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
         w = torch.softmax(logits, dim=-1)
         o = torch.bmm(w.view(kv, group * (b - a), length), vf).view(kv, group, b - a, d)
         out[a:b] = o.reshape(h, b - a, d).transpose(0, 1).to(q.dtype)
-        counted = w if voters is None else w * voters[a:b].to(w.dtype)[None, None, :, None]
+        counted = fixed_point(w)
+        if voters is not None:
+            counted *= voters[a:b][None, None, :, None]
         mass += counted.sum(dim=(0, 1, 2))
     return out, mass
 
@@ -262,7 +265,7 @@ class EvictingKVCache:
         self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
         self.held = 0  # kept tokens in the tensors
         self.seen = 0  # positions written so far (kept or evicted)
-        self.scores = torch.zeros(0, dtype=torch.float32, device=device)
+        self.scores = torch.zeros(0, dtype=torch.long, device=device)
         self._n = 0
 
     @property
@@ -278,7 +281,7 @@ class EvictingKVCache:
         self.positions[self.held:self.held + num_tokens] = torch.arange(start, start + num_tokens)
         self._n = num_tokens
         if self.policy.needs_scores and self.scores.numel() < start + num_tokens:
-            grown = torch.zeros(2 * (start + num_tokens), dtype=torch.float32, device=self.scores.device)
+            grown = torch.zeros(2 * (start + num_tokens), dtype=torch.long, device=self.scores.device)
             grown[:self.scores.numel()] = self.scores
             self.scores = grown
         return torch.arange(start, start + num_tokens, device=device or self.positions.device)

@@ -249,8 +249,8 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
                 roles.append("heavy")
         mass = None
         if policy.needs_scores:
-            scores = cache.scores[:n]
-            mass = (scores / scores.max().clamp(min=1e-12)).tolist()
+            scores = cache.scores[:n].double()
+            mass = (scores / scores.max().clamp(min=1)).tolist()
         out.append({"policy": policy.name, "kept": len(kept), "roles": roles, "mass": mass,
                     "kv_bytes_kept": len(kept) * per_token, "kv_bytes_full": n * per_token})
     return {"tokens": [_token(tokenizer, i) for i in ids], "budget": budget, "sinks": sinks,
