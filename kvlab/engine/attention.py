@@ -14,6 +14,11 @@ reads, per sequence, only the slots it can see:
 Blocks a sequence gave back (a window's past, evicted tokens) are skipped; the keys it still holds
 keep their positions, so masks are built from positions, not from slot order.
 A GPU kernel (FlashAttention's varlen / paged KV) would replace ``attend`` and reuse the metadata.
+
+``InvariantAttention`` is the deterministic mode's backend: the same cache and metadata, but
+each sequence's keys laid out by absolute position in fixed splits (``split_layout``) and every
+query computed by ``kvlab.models.invariant.split_attention``, so a token's output does not depend
+on the batch, the chunking, or the decode padding.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.engine.sizing import LayerGroup, cdiv
 from kvlab.models.attention import _mask, _sdpa, attend_scored
+from kvlab.models.invariant import SPLIT, split_attention
 
 BUCKET_RATIO = 0.75  # a decode joins a bucket if its context is >= 3/4 of the bucket's longest
 
@@ -190,4 +196,105 @@ class PagedAttention:
             keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, L, D]
             out[s.rows], mass = attend_scored(q[s.rows], keys, vals, s.mask, s.voters)
             s.scores.index_add_(0, s.key_positions, mass)
+        return out
+
+
+QUERY_CHUNK = 256  # query rows per split_attention call: bounds the [H, rows, L] weights held
+
+
+@dataclass(frozen=True)
+class SplitSpan:
+    """Deterministic mode: B spans of n queries each (decodes: B sequences, n = 1; a prefill
+    chunk or a scored span: B = 1), keys by absolute position in whole splits."""
+
+    rows: Tensor  # [B, n] query rows in the flat batch
+    key_slots: Tensor  # [B, L], L a multiple of SPLIT (slot 0 where a key is not valid)
+    key_positions: Tensor  # [B, L]
+    allowed: Tensor  # [B, n, L] True = the query sees the key
+    voters: Tensor | None = None  # [B, n] for a scored span
+    scores: Tensor | None = None  # the sequence's scores (B = 1), added to in place
+
+
+def split_layout(table: list[int], lo: int, end: int, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots, positions and validity of the keys a span may read, from position ``lo`` (rounded
+    down to a split) to ``end``, padded to whole splits; splits with no key held at all (given
+    back or evicted) are left out, which changes no sum (their keys would add exact zeros)."""
+    first = lo // SPLIT * SPLIT
+    length = -(-(end - first) // SPLIT) * SPLIT
+    positions = torch.arange(first, first + length)
+    blocks = torch.tensor(table + [NULL_BLOCK] * (cdiv(first + length, block_size) - len(table)),
+                          dtype=torch.long)[positions // block_size]
+    valid = (blocks != NULL_BLOCK) & (positions < end) & (positions >= lo)
+    slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
+    held = valid.view(-1, SPLIT).any(1).repeat_interleave(SPLIT)
+    return slots[held], positions[held], valid[held]
+
+
+def build_split_spans(spans: list[SeqSpan], group_idx: int, group: LayerGroup, block_size: int,
+                      device: torch.device | str) -> tuple[Tensor, list[SplitSpan]]:
+    """The slot mapping and split spans of one group for this step (deterministic mode)."""
+    window = group.window
+    mapping, out, decodes = [], [], []
+    row = 0
+    for span in spans:
+        start, n = span.start, span.num_tokens
+        end = start + n
+        table = span.block_tables[group_idx]
+        mapping.append(token_slots(table, start, end, block_size)[0])
+        lo = 0 if window is None else max(0, start - window + 1)
+        slots, k_pos, valid = split_layout(table, lo, end, block_size)
+        q_pos = torch.arange(start, end)
+        allowed = _mask(q_pos, k_pos, window) & valid[None, :]
+        rows = torch.arange(row, row + n)
+        if span.scores is not None:
+            voters = (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
+            out.append(SplitSpan(rows[None].to(device), slots[None].to(device), k_pos[None].to(device),
+                                 allowed[None].to(device), voters[None].to(device), span.scores))
+        elif n == 1:
+            decodes.append((rows, slots, k_pos, allowed))
+        else:
+            out.append(SplitSpan(rows[None].to(device), slots[None].to(device), k_pos[None].to(device),
+                                 allowed[None].to(device)))
+        row += n
+    if decodes:  # one batch: shorter key lists padded with splits nobody sees (exact zeros)
+        longest = max(len(d[1]) for d in decodes)
+
+        def pad(t: Tensor, value: int | bool) -> Tensor:
+            return torch.cat([t, t.new_full((*t.shape[:-1], longest - t.shape[-1]), value)], -1)
+
+        out.append(SplitSpan(torch.stack([d[0] for d in decodes]).to(device),
+                             torch.stack([pad(d[1], 0) for d in decodes]).to(device),
+                             torch.stack([pad(d[2], 0) for d in decodes]).to(device),
+                             torch.stack([pad(d[3], False) for d in decodes]).to(device)))
+    return torch.cat(mapping).to(device), out
+
+
+class InvariantAttention(PagedAttention):
+    """The paged backend of deterministic mode: every query through ``split_attention``, with
+    matmul rows in whole ``row_block``s (the block the linear layers' probe found stable)."""
+
+    def __init__(self, cache: PagedKVCache, row_block: int) -> None:
+        super().__init__(cache)
+        self.row_block = row_block
+        self.split_steps: list[tuple[Tensor, list[SplitSpan]]] = []
+
+    def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
+        self.split_steps = [build_split_spans(spans, gi, g, self.cache.block_size, device)
+                            for gi, g in enumerate(self.cache.groups)]
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        mapping, spans = self.split_steps[self.cache.group_of[layer_idx]]
+        self.cache.write(layer_idx, k, v, mapping)
+        out = torch.empty_like(q)
+        for s in spans:
+            keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, B, L, D]
+            keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
+            for a in range(0, s.rows.shape[1], QUERY_CHUNK):
+                rows = s.rows[:, a:a + QUERY_CHUNK]
+                voters = None if s.voters is None else s.voters[:, a:a + QUERY_CHUNK]
+                o, mass = split_attention(q[rows], keys, vals, s.allowed[:, a:a + QUERY_CHUNK],
+                                          self.row_block, voters)
+                out[rows] = o
+                if mass is not None and s.scores is not None:
+                    s.scores.index_add_(0, s.key_positions[0], mass[0])
         return out

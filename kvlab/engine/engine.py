@@ -154,6 +154,9 @@ class LLMEngine:
             raise ValueError(f"--kv-policy {self.eviction.name} reads attention scores, which tensor-"
                              f"parallel ranks hold in pieces: use --tp 1 or --kv-policy window/streaming")
         self.eviction.check_unit(options.block_size)
+        if options.deterministic:
+            self._check_deterministic(options)
+        model.set_batch_invariant(options.deterministic)
         self.executor: Executor = make_executor(model, options.tp, device, options.tp_timeout)
         try:
             self.capacity: KVCapacity = kv_cache_capacity(
@@ -178,7 +181,8 @@ class LLMEngine:
         self.kv = KVCacheManager(groups, blocks, options.block_size, options.prefix_caching,
                                  num_host_blocks=blocks if swap else 0)
         self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
-                                   max_model_len, swap, self.eviction)
+                                   max_model_len, swap, self.eviction,
+                                   options.max_num_batched_tokens if options.deterministic else None)
         self.runner = ModelRunner(self.executor, spec.vocab_size, self.eviction)
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
@@ -191,6 +195,16 @@ class LLMEngine:
         if options.tp > 1:
             log.info("tensor parallel: %d ranks, each with this cache (its share of the KV heads)",
                      options.tp)
+
+    def _check_deterministic(self, options: EngineOptions) -> None:
+        """Deterministic mode's one-line errors for what cannot honour it (the kernels' own
+        check runs in ``CausalLM.set_batch_invariant``)."""
+        if options.tp > 1:
+            raise ValueError("--deterministic runs at --tp 1 (its kernels are not checked across "
+                             "ranks); drop one of the two")
+        if self.eviction.active and options.preemption == "recompute":
+            raise ValueError(f"--deterministic with --kv-policy {self.eviction.name}: a recomputed "
+                             f"sequence would evict again from scratch; use --preemption swap-ram")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op at tp=1); the engine cannot step after."""

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kvlab.engine.attention import PagedAttention, SeqSpan
+from kvlab.engine.attention import InvariantAttention, PagedAttention, SeqSpan
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.kv_manager import BlockCopies
 from kvlab.engine.sizing import LayerGroup
@@ -107,7 +107,9 @@ class Worker:
                     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=self.group)
         if cfg.host_pool is not None:
             cache.attach_host_pool(cfg.num_blocks, cfg.host_pool)
-        self.cache, self.attn = cache, PagedAttention(cache)
+        rows = self.model.invariant_rows  # deterministic mode
+        self.cache = cache
+        self.attn = PagedAttention(cache) if rows is None else InvariantAttention(cache, rows)
         return cache.nbytes
 
     @torch.inference_mode()

@@ -91,6 +91,9 @@ class EngineOptions:
     kv_budget: int | float | None = _opt(
         None, "tokens each sequence keeps under --kv-policy (256), or a ratio of its context (0.25)",
         type=_budget, metavar="N|RATIO")
+    deterministic: bool = _opt(
+        False, "batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever "
+        "runs beside it (CPU; at a fixed thread count)", flag="--deterministic", action="store_true")
 
     tp: int = _opt(1, "tensor-parallel size: N worker processes on this machine, each with 1/N of "
                    "the heads, FFN and KV cache (torch.distributed: gloo on CPU, NCCL on CUDA)",

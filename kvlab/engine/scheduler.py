@@ -52,9 +52,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, swap: bool = False,
-                 eviction: EvictionPolicy = EvictionPolicy()) -> None:
+                 eviction: EvictionPolicy = EvictionPolicy(), eviction_grid: int | None = None) -> None:
+        """``eviction_grid`` (deterministic mode): while a prompt goes in, a lossy policy evicts
+        only when the computed tokens reach a multiple of it (or the prompt's end), and no prompt
+        chunk crosses one; so what a sequence keeps does not depend on how the other requests cut
+        its prompt into chunks."""
         self.kv = kv
         self.eviction = eviction
+        self.eviction_grid = eviction_grid if eviction.active and eviction.name != "snapkv" else None
         self.num_evicted_blocks = 0
         self.num_evicted_tokens = 0
         self.max_num_seqs = max_num_seqs
@@ -131,7 +136,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
-            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget), seq)
+            n = self._on_grid(seq, start, self.kv.max_chunk(start, min(seq.num_tokens - start, budget), seq))
             while not self.kv.can_allocate(seq, n):
                 victim = self.running.pop()  # latest admitted
                 self._preempt(victim, out)
@@ -151,8 +156,8 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.kv.find_prefix(seq) if seq.status is SeqStatus.WAITING else None
             start = hit.tokens if hit is not None else seq.num_computed_tokens
-            n = self.kv.max_chunk(start, min(seq.num_tokens - start, budget),
-                                  seq if hit is None else None)
+            n = self._on_grid(seq, start, self.kv.max_chunk(start, min(seq.num_tokens - start, budget),
+                                                            seq if hit is None else None))
             if not self.kv.can_allocate(seq, n, hit):
                 break
             copies = self.kv.allocate(seq, n, hit)
@@ -170,6 +175,12 @@ class Scheduler:
             out.chunks.append(ScheduledChunk.of(seq, start, n))
             budget -= n
         return out
+
+    def _on_grid(self, seq: Sequence, start: int, n: int) -> int:
+        """Cap a prompt chunk at the next eviction grid point (see ``eviction_grid``)."""
+        if self.eviction_grid is None or start >= seq.num_prompt_tokens:
+            return n
+        return min(n, (start // self.eviction_grid + 1) * self.eviction_grid - start)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.num_preemptions += 1
@@ -210,6 +221,8 @@ class Scheduler:
         policy, n, bs = self.eviction, seq.num_computed_tokens, self.kv.block_size
         if not policy.active or (policy.name == "snapkv" and n < seq.num_prompt_tokens):
             return  # snapkv compresses once the whole prompt is in
+        if self.eviction_grid and n < seq.num_prompt_tokens and n % self.eviction_grid:
+            return  # between grid points: as if the chunk had not ended
         held = self.kv.held_blocks(seq)
         computed = cdiv(n, bs)  # blocks past the computed tokens (none, after update) stay
         kept = torch.tensor(held[:computed], dtype=torch.bool)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlab.models.attention import AttentionBackend
+from kvlab.models.invariant import check_linears, pad_rows
 from kvlab.spec import LayerSpec, ModelSpec
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -176,9 +177,12 @@ def _use(packed: PackedWeights | None, x: Tensor) -> bool:
 
 class Linear(nn.Linear):
     """nn.Linear that, once ``prepack()``-ed, runs inference from packed weights (see
-    ``PackedWeights``); otherwise, or when they are stale, plain ``F.linear``."""
+    ``PackedWeights``); otherwise, or when they are stale, plain ``F.linear``. With ``row_block``
+    > 1 (deterministic mode), the rows are padded with zero rows to a multiple of it, so that
+    every row goes through the same GEMM kernel whatever the batch (``kvlab.models.invariant``)."""
 
     _packed: PackedWeights | None = None
+    row_block: int = 1
 
     def prepack(self) -> int:
         """Pack the weight if that applies here; returns the bytes the packed copy takes."""
@@ -190,6 +194,8 @@ class Linear(nn.Linear):
         self._packed = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] % self.row_block:
+            return F.linear(pad_rows(x, self.row_block), self.weight, self.bias)[:x.shape[0]]
         if _use(self._packed, x):
             return self._packed(x)  # type: ignore[misc]
         return F.linear(x, self.weight, self.bias)
@@ -355,6 +361,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(spec.config, heads.pop()), persistent=False)
         self.eos_token_ids: tuple[int, ...] = ()  # filled by the loader (generation_config.json)
+        self.invariant_rows: int | None = None  # deterministic mode's row block (set_batch_invariant)
         self.name = spec.name
 
     @property
@@ -368,8 +375,9 @@ class CausalLM(nn.Module):
     def prepack(self, max_bytes: int | None = None) -> int:
         """Give every linear layer a packed copy of its weight for faster inference (bf16 on
         CPU; a no-op elsewhere). Skipped when the copies would take more than ``max_bytes``.
-        Returns the bytes the copies take."""
-        if not _can_prepack(self.lm_head.weight):
+        Returns the bytes the copies take. Never in deterministic mode (the probe that makes it
+        safe ran on the plain layers)."""
+        if not _can_prepack(self.lm_head.weight) or self.invariant_rows is not None:
             return 0
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
@@ -393,6 +401,23 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.unpack()
             layer.mlp.unpack()
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Deterministic mode on: every linear layer pads its rows to a multiple of the block the
+        probe found stable on this backend (``check_linears``; raises BatchInvariantError, one
+        line, where there is none), packed copies are dropped, and ``invariant_rows`` tells the
+        attention backend that block. Off: plain kernels again."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:  # probe the plain kernels (a second call must not probe padded ones)
+            m.row_block = 1
+        self.invariant_rows = None
+        if not on:
+            return
+        self.unpack()
+        rows = check_linears(linears, self.dtype, self.device)
+        for m in linears:
+            m.row_block = rows
+        self.invariant_rows = rows
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
