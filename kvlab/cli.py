@@ -335,7 +335,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     log = (lambda msg: None) if args.json else (lambda msg: print(f"… {msg}", file=sys.stderr, flush=True))
     rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
                     text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
-                    trials=args.trials, progress=log)
+                    trials=args.trials, deterministic=args.deterministic, progress=log)
     if args.plot:
         plot_rows(rows, args.plot)
     if args.json:
@@ -493,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=positive_int, default=64,
                    help="tokens per engine step: eviction runs between steps (default 64)")
     p.add_argument("--trials", type=positive_int, default=20, help="needle prompts per row (default 20)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch-invariant engine (default), so figures do not depend on which trials "
+                   "share a batch; --no-deterministic shows the batch noise of the fast kernels")
     p.add_argument("--dtype", default="fp32",
                    help="model dtype (default fp32: bf16 near-ties would add batch-dependent noise)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")

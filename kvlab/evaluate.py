@@ -13,7 +13,10 @@ Two tasks, each run per policy x budget x KV dtype on one model:
 - ``needle``: a pass key hidden at several depths of the text, a question at the end, greedy
   answers from the engine, all trials batched; accuracy = answers that contain the key.
 
-Quality runs in fp32 by default: bf16 near-ties would add noise that depends on the batch.
+Quality runs in deterministic mode by default (``--no-deterministic`` to compare): batch-invariant
+kernels, so a needle trial's answer does not depend on the trials batched beside it, and eviction
+points do not depend on how the prompts were cut into chunks. And in fp32 by default: bf16
+near-ties would make the figures fragile to any change of kernel.
 """
 
 from __future__ import annotations
@@ -66,13 +69,16 @@ def text_ids(tokenizer: TextTokenizer, path: str | Path | None, context: int) ->
 
 
 def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_dtype: str,
-         block_size: int, chunk: int, context: int, sequences: int) -> LLM:
+         block_size: int, chunk: int, context: int, sequences: int, deterministic: bool) -> LLM:
     stored = MODEL_KV_DTYPE[model.dtype] if kv_dtype == "auto" else kv_dtype
     blocks = sequences * (math.ceil(context / block_size) + 2)  # room for every policy, full too
+    # swap, never recompute (there is room for all, so neither happens; deterministic mode
+    # refuses recompute under eviction)
     return LLM(model, tokenizer=tokenizer, kv_policy=policy.name, kv_budget=policy.budget,
                kv_dtype=kv_dtype, block_size=block_size, max_num_batched_tokens=chunk,
                max_num_seqs=sequences, max_model_len=context + 16, prefix_caching=False,
-               kv_memory=blocks * block_size * model.spec.kv_bytes_per_token(stored))
+               kv_memory=blocks * block_size * model.spec.kv_bytes_per_token(stored),
+               deterministic=deterministic, preemption="swap-ram")
 
 
 def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
@@ -97,8 +103,8 @@ def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
 
 
 def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
-                      kv_dtype: str, block_size: int, chunk: int) -> EvictRow:
-    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids), 1)
+                      kv_dtype: str, block_size: int, chunk: int, deterministic: bool = True) -> EvictRow:
+    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids), 1, deterministic)
     result = {}
 
     def run():
@@ -147,9 +153,9 @@ def needle_prompts(tokenizer: TextTokenizer, ids: list[int], trials: int, seed: 
 
 
 def needle(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
-           kv_dtype: str, block_size: int, chunk: int, trials: int) -> EvictRow:
+           kv_dtype: str, block_size: int, chunk: int, trials: int, deterministic: bool = True) -> EvictRow:
     prompts = needle_prompts(tokenizer, ids, trials)
-    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids) + 16, trials)
+    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids) + 16, trials, deterministic)
     result = {}
 
     def run():
@@ -166,8 +172,8 @@ def needle(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: Ev
 def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: list[str],
              budgets: list[int | float], kv_dtypes: list[str], *, text: str | Path | None = None,
              context: int = 2048, block_size: int = 16, chunk: int = 64, trials: int = 20,
-             token_reference: bool = True, progress: Callable[[str], None] = lambda s: None
-             ) -> list[EvictRow]:
+             token_reference: bool = True, deterministic: bool = True,
+             progress: Callable[[str], None] = lambda s: None) -> list[EvictRow]:
     """One row per policy x budget x KV dtype (``full`` once per dtype, its budget None)."""
     if task not in ("perplexity", "needle"):
         raise ValueError(f"--task is perplexity or needle, not {task!r}")
@@ -180,11 +186,13 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
         for policy in configs:
             progress(f"{task}: {policy.name} {policy.budget or ''} {kv_dtype}")
             if task == "perplexity":
-                row = perplexity_engine(model, tokenizer, ids, policy, kv_dtype, block_size, chunk)
+                row = perplexity_engine(model, tokenizer, ids, policy, kv_dtype, block_size, chunk,
+                                        deterministic)
                 if token_reference and kv_dtype in ("auto", "fp32"):
                     row.quality_token = perplexity_loop(model, ids, policy, chunk)
             else:
-                row = needle(model, tokenizer, ids, policy, kv_dtype, block_size, chunk, trials)
+                row = needle(model, tokenizer, ids, policy, kv_dtype, block_size, chunk, trials,
+                             deterministic)
             rows.append(row)
     return rows
 
