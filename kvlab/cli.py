@@ -136,9 +136,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.tp > 1 and args.no_cache:
-        raise UsageError("kvlab generate: --tp runs the paged engine, which always keeps a cache; "
-                         "drop --no-cache or --tp")
+    engine = args.tp > 1 or args.deterministic  # the paged engine, not the plain loop
+    if engine and args.no_cache:
+        raise UsageError("kvlab generate: --tp and --deterministic run the paged engine, which always "
+                         "keeps a cache; drop --no-cache")
     # tensor-parallel workers cut their shards from a whole model in this process's memory
     loaded = load(args.model, args.dtype, device="cpu" if args.tp > 1 else args.device,
                   random_weights=args.random_weights, seed=args.seed or 0)
@@ -150,8 +151,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = loaded.chat_template.encode(tok, [{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    if args.tp > 1:
-        result = _generate_tp(loaded.model, tok, prompt_ids, params, args.tp, args.device, args.json)
+    if engine:
+        result = _generate_engine(loaded.model, tok, prompt_ids, params, args.tp, args.deterministic,
+                                  args.device, args.json)
     else:
         gen = Generation(loaded.model, prompt_ids, params, tok, use_cache=not args.no_cache)
         for delta in gen:
@@ -169,11 +171,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_tp(model, tokenizer, prompt_ids: list[int], params, tp: int, device: str,
-                 quiet: bool):
-    """One prompt through the paged engine on `tp` worker processes (the plain loop is one
-    process), with a cache of just the blocks it needs; the same figures as the plain loop's,
-    the KV bytes being one rank's."""
+def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, deterministic: bool,
+                     device: str, quiet: bool):
+    """One prompt through the paged engine (on `tp` worker processes; in deterministic mode,
+    with the batch-invariant kernels, so the answer is the one a --deterministic server gives
+    under any load), with a cache of just the blocks it needs; the same figures as the plain
+    loop's, the KV bytes being one rank's."""
     import time
 
     from kvlab.engine.llm import LLM
@@ -185,7 +188,7 @@ def _generate_tp(model, tokenizer, prompt_ids: list[int], params, tp: int, devic
     per_token = model.spec.tp_shard(tp).kv_bytes_per_token(
         {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(model.dtype), "bf16"))
     llm = LLM(model, tokenizer=tokenizer, device=device, tp=tp, max_model_len=total,
-              kv_memory=cdiv(total, 16) * 16 * per_token)
+              kv_memory=cdiv(total, 16) * 16 * per_token, deterministic=deterministic)
     try:
         start = time.perf_counter()
         out = first = None
@@ -426,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel size: run through the paged engine on N worker processes")
+    p.add_argument("--deterministic", action="store_true",
+                   help="run through the paged engine's batch-invariant kernels: the answer a "
+                   "--deterministic server gives, whatever else it serves")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("measure", help="check the KV formula against the runtime's tensors and allocations")

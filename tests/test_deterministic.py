@@ -3,6 +3,8 @@ beside it (batch, chunk budget, preemption by recompute or swap, prefix-cache hi
 
 from __future__ import annotations
 
+import json
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -146,3 +148,20 @@ def test_what_deterministic_mode_cannot_honour_is_a_one_line_error(models):
     LLM(model)  # the same model back in the fast mode
     assert model.invariant_rows is None and all(
         m.row_block == 1 for m in model.modules() if isinstance(m, Linear))
+
+
+def test_generate_deterministic_is_the_servers_answer_under_load(capsys):
+    """The bundled model end to end: `kvlab generate --deterministic` gives, token for token, what
+    the deterministic engine gives the same prompt batched with others."""
+    from kvlab.cli import main
+    from kvlab.models import load
+
+    prompt = "The Elliots of Kellynch Hall were"
+    assert main(["generate", "--deterministic", "--dtype", "fp32", "--max-tokens", "4",
+                 "--threads", "2", "--json", prompt]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    loaded = load(None, "fp32")
+    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, deterministic=True, max_num_batched_tokens=16)
+    outs = llm.generate([prompt, "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man",
+                         "Anne"], SamplingParams(temperature=0, max_tokens=4))
+    assert cli["token_ids"] == outs[0].token_ids
