@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kvlab evict on the default model (SmolLM2-135M-Instruct): the figures in docs/benchmarks.md.
-# Quality figures are deterministic (fp32, greedy); the time column depends on the machine's load.
+# Quality figures are deterministic (fp32, greedy, batch-invariant engine); the time column depends
+# on the machine's load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/bench
@@ -8,7 +9,7 @@ mkdir -p "$OUT"
 KV=".venv/bin/kvlab"
 $KV evict --task perplexity --context 2048 --budgets 128,256,512 --threads 2 \
     --json --plot "$OUT/evict-perplexity.png" > "$OUT/evict-perplexity.json"
-$KV evict --task needle --context 1024 --budgets 128,256 --trials 5 --threads 2 \
+$KV evict --task needle --context 1024 --budgets 128,256 --trials 20 --threads 2 \
     --json --plot "$OUT/evict-needle.png" > "$OUT/evict-needle.json"
 $KV evict --task perplexity --context 1024 --policies full,streaming --budgets 256 \
     --kv-dtype auto,bf16,fp8_e4m3,fp8_e5m2,int8 --threads 2 \

@@ -59,6 +59,8 @@ class EvictRow:
     tokens_evicted: int
     seconds: float
     trials: int = 1
+    # the plain loop again, positions renumbered inside the cache (StreamingLLM) instead of kept
+    quality_token_renumbered: float | None = None
 
 
 def text_ids(tokenizer: TextTokenizer, path: str | Path | None, context: int) -> list[int]:
@@ -119,10 +121,13 @@ def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int],
 
 
 @torch.inference_mode()
-def perplexity_loop(model: CausalLM, ids: list[int], policy: EvictionPolicy, chunk: int) -> float:
-    """The same perplexity with token-granular eviction in the plain loop's compacting cache."""
+def perplexity_loop(model: CausalLM, ids: list[int], policy: EvictionPolicy, chunk: int,
+                    renumber: bool = False) -> float:
+    """The same perplexity with token-granular eviction in the plain loop's compacting cache;
+    ``renumber``: RoPE positions are places in the cache (StreamingLLM), not the text's."""
     held = policy.max_tokens_held(len(ids), len(ids), chunk, 1)
-    cache = EvictingKVCache(model.spec, policy, held, len(ids), model.dtype, model.device)
+    cache = EvictingKVCache(model.spec, policy, held, len(ids), model.dtype, model.device,
+                            renumber=model.inv_freq if renumber else None)
     nll, count = 0.0, 0
     for a in range(0, len(ids), chunk):
         piece = torch.tensor(ids[a:a + chunk], device=model.device)
@@ -190,6 +195,8 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
                                         deterministic)
                 if token_reference and kv_dtype in ("auto", "fp32"):
                     row.quality_token = perplexity_loop(model, ids, policy, chunk)
+                    if policy.active and policy.name != "snapkv":
+                        row.quality_token_renumbered = perplexity_loop(model, ids, policy, chunk, renumber=True)
             else:
                 row = needle(model, tokenizer, ids, policy, kv_dtype, block_size, chunk, trials,
                              deterministic)

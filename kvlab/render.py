@@ -322,7 +322,7 @@ def print_evict(rows: list, model: str, context: int, console: Console | None = 
     quality = "perplexity (blocks)" if task == "perplexity" else "needle accuracy"
     cols = ["policy", "budget", "KV dtype", quality]
     if task == "perplexity":
-        cols.append("perplexity (tokens)")
+        cols += ["perplexity (tokens)", "(tokens, renumbered)"]
     cols += ["KV kept / seq", "blocks freed", "tokens evicted", "time"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("policy", "KV dtype") else "right")
@@ -331,12 +331,13 @@ def print_evict(rows: list, model: str, context: int, console: Console | None = 
                                             else f"{r.quality:.0%} of {r.trials}")
         cells = [r.policy, "-" if r.budget is None else str(r.budget), r.kv_dtype, q]
         if task == "perplexity":
-            cells.append("-" if r.quality_token is None else f"{r.quality_token:.2f}")
+            cells += ["-" if x is None else f"{x:.2f}" for x in (r.quality_token, r.quality_token_renumbered)]
         cells += [f"{r.kv_bytes_kept / 2**20:,.2f} MiB", f"{r.blocks_freed:,}", f"{r.tokens_evicted:,}",
                   f"{r.seconds:.1f} s"]
         t.add_row(*cells)
     c.print(t)
     if task == "perplexity":
         c.print("perplexity (blocks): the paged engine, whole blocks evicted; (tokens): the plain loop, "
-                "token by token. snapkv compresses a finished prompt, and a teacher-forced text is one "
+                "token by token, each key at its position in the text (as in the engine); (tokens, renumbered): "
+                "the loop with positions renumbered inside the cache, as StreamingLLM does. snapkv compresses a finished prompt, and a teacher-forced text is one "
                 "prompt to its end, so its perplexity equals full's: judge it on --task needle.")

@@ -117,6 +117,33 @@ def test_one_token_blocks_equal_the_token_granular_loop(llama, policy):
     assert (blocky.quality == pytest.approx(loop, rel=1e-4)) == (not policy.active)
 
 
+def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama):
+    """StreamingLLM's positions in the loop reference: a kept key rotated down by the places it
+    moved equals the key written at its new place; without eviction nothing moves, so the
+    perplexity is the text-position one; with eviction the two choices give different figures."""
+    from kvlab.models.attention import EvictingKVCache
+    from kvlab.models.llama import apply_rope
+
+    cache = EvictingKVCache(llama.spec, EvictionPolicy("streaming", 8), 16, 16, torch.float32,
+                            renumber=llama.inv_freq)
+    raw = torch.randn(llama.spec.num_kv_heads, 16, llama.spec.layers[0].head_dim)
+    cos, sin = llama.rope(torch.arange(16), torch.float32)
+    for k in cache.k:
+        k[:] = apply_rope(raw.transpose(0, 1), cos, sin).transpose(0, 1)
+    cache._rotate(16, torch.full((16,), -5))
+    moved_cos, moved_sin = llama.rope(torch.arange(16) - 5, torch.float32)
+    expected = apply_rope(raw.transpose(0, 1), moved_cos, moved_sin).transpose(0, 1)
+    torch.testing.assert_close(cache.k[0], expected, rtol=1e-5, atol=1e-5)
+
+    ids = prompts((160,), seed=3)[0]
+    full = EvictionPolicy("full")
+    assert perplexity_loop(llama, ids, full, 16, renumber=True) == pytest.approx(
+        perplexity_loop(llama, ids, full, 16), rel=1e-6)
+    streaming = EvictionPolicy("streaming", 40)
+    assert perplexity_loop(llama, ids, streaming, 16, renumber=True) != pytest.approx(
+        perplexity_loop(llama, ids, streaming, 16), rel=1e-4)
+
+
 def test_lossy_blocks_are_never_served_as_a_prefix(llama):
     """Blocks computed before the first eviction saw the full text: they stay in the prefix cache.
     Blocks computed after it did not: never offered. A second identical request hits exactly the
@@ -163,6 +190,7 @@ def test_cli_evict_table_and_json(capsys, tmp_path):
     assert full["blocks_freed"] == 0 and window["blocks_freed"] > 0 and streaming["blocks_freed"] > 0
     assert window["kv_bytes_kept"] == streaming["kv_bytes_kept"] == 64 * 2048  # fp32, 1,024 B/token in bf16
     assert full["quality"] == pytest.approx(full["quality_token"], rel=1e-4)
+    assert full["quality_token_renumbered"] is None and streaming["quality_token_renumbered"] > 1
     plot = tmp_path / "evict.png"
     assert main(argv[:-1] + ["--task", "needle", "--trials", "5", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out

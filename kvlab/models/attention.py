@@ -249,15 +249,20 @@ class EvictingKVCache:
     paged engine's block-granular eviction is measured against.
 
     Per layer K and V hold only the kept tokens, compacted after each ``evict()``; each keeps the
-    position (and so the RoPE rotation) it was written with. Capacity: the budget plus the
-    largest step, never the whole text.
+    position (and so the RoPE rotation) it was written with, as in the paged engine. With
+    ``renumber`` (the model's RoPE inverse frequencies), positions are instead the tokens' places
+    in the cache, as StreamingLLM assigns them: new tokens get the next place, and each kept key
+    is rotated back by the places it moved down when others were evicted. Capacity: the budget
+    plus the largest step, never the whole text.
     """
 
     def __init__(self, spec: ModelSpec, policy: EvictionPolicy, capacity: int, num_prompt_tokens: int,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 renumber: Tensor | None = None) -> None:
         if any(_window(layer) for layer in spec.layers):
             raise ValueError(f"{spec.name} has sliding-window layers; token eviction needs full attention")
         self.spec, self.policy, self.capacity = spec, policy, capacity
+        self.renumber = renumber
         self.num_prompt_tokens = num_prompt_tokens
         self.k = [torch.zeros(layer.kv_heads, capacity, layer.head_dim, dtype=dtype, device=device)
                   for layer in spec.layers]
@@ -280,11 +285,12 @@ class EvictingKVCache:
         start = self.seen
         self.positions[self.held:self.held + num_tokens] = torch.arange(start, start + num_tokens)
         self._n = num_tokens
+        given = self.held if self.renumber is not None else start  # the model's RoPE positions
         if self.policy.needs_scores and self.scores.numel() < start + num_tokens:
             grown = torch.zeros(2 * (start + num_tokens), dtype=torch.long, device=self.scores.device)
             grown[:self.scores.numel()] = self.scores
             self.scores = grown
-        return torch.arange(start, start + num_tokens, device=device or self.positions.device)
+        return torch.arange(given, given + num_tokens, device=device or self.positions.device)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n, end = self._n, self.held + self._n
@@ -302,6 +308,19 @@ class EvictingKVCache:
         o = _sdpa(q.transpose(0, 1)[None], keys[None], vals[None],
                   None if mask is None else mask[None, None])
         return o[0].transpose(0, 1)
+
+    def _rotate(self, n: int, shift: Tensor) -> None:
+        """Rotate the first ``n`` keys of every layer by ``shift`` positions each (RoPE rotations
+        add up, so this is the key as if written at its position + shift); in float32."""
+        assert self.renumber is not None
+        freqs = shift[:, None].float() * self.renumber.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[None], emb.sin()[None]
+        for k in self.k:
+            x = k[:, :n].float()
+            half = x.shape[-1] // 2
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            k[:, :n] = (x * cos + rotated * sin).to(k.dtype)
 
     def _voters(self, q_pos: Tensor) -> Tensor | None:
         voters = self.policy.voters(self.num_prompt_tokens)
@@ -325,6 +344,8 @@ class EvictingKVCache:
         if gone:
             for t in self.k + self.v:
                 t[:, :stay.numel()] = t[:, stay]
+            if self.renumber is not None:  # each kept key moves down to its new place
+                self._rotate(stay.numel(), torch.arange(stay.numel(), device=stay.device) - stay)
             self.positions[:stay.numel()] = self.positions[stay].clone()
             self.held = stay.numel()
         return gone
