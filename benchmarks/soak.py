@@ -9,6 +9,10 @@ and a clean SIGTERM stop (exit status 0). Run from the repository root, one mode
 
     nice -n 10 .venv/bin/python -m benchmarks.soak --minutes 10 --preemption swap-ram swap-disk
 
+With ``--deterministic`` the server runs batch-invariant kernels and every completed output is
+compared with its solo run in the same mode, in any dtype (bf16 included). ``--plot`` draws RSS
+over time. Growth is measured after a warm-up of one minute (a fifth of shorter runs).
+
 Prints one JSON object per mode and exits 1 if any mode misses a target (RSS growth >= 5%, a
 leaked block, a swap file left, a 5xx, a hang, an output that differs, an unclean stop).
 """
@@ -142,18 +146,23 @@ def leaked_blocks(cache: dict) -> int:
     return sum(len(g["blocks"]) - g["blocks"].count("f") - g["blocks"].count("c") for g in cache["groups"])
 
 
-def mismatches(model: CausalLM, tokenizer: TextTokenizer, completed: list[tuple[str, int, str]]) -> list[str]:
-    """Completed outputs that differ from the plain loop (``kvlab.generate``) run alone."""
+def mismatches(model: CausalLM, tokenizer: TextTokenizer, completed: list[tuple[str, int, str]],
+               deterministic: bool = False) -> list[str]:
+    """Completed outputs that differ from their run alone: in the plain loop (``kvlab.generate``),
+    or in deterministic mode the engine's batch-invariant kernels."""
+    from kvlab.engine.llm import LLM
     from kvlab.generate import generate
     from kvlab.sampling import SamplingParams
 
     solo: dict[tuple[str, int], str] = {}
     bad = []
+    engine = LLM(model, tokenizer=tokenizer, deterministic=True, max_model_len=512) if deterministic else None
     for prompt, max_tokens, text in completed:
         key = (prompt, max_tokens)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         if key not in solo:
-            solo[key] = generate(model, tokenizer.encode(prompt), SamplingParams(
-                temperature=0, max_tokens=max_tokens, ignore_eos=True), tokenizer).text
+            solo[key] = (engine.generate([prompt], params)[0].text if engine is not None
+                         else generate(model, tokenizer.encode(prompt), params, tokenizer).text)
         if text != solo[key]:
             bad.append(prompt)
     return bad
@@ -225,11 +234,12 @@ def serve_process(args: list[str], env: dict[str, str] | None = None, start_time
         server.stop()
 
 
-def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clients: int, seed: int) -> dict:
+def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clients: int, seed: int,
+         deterministic: bool = False) -> dict:
     """One mode: start the server, run traffic while sampling RSS, then check everything."""
     pool, lengths = prompts(48, seed), [16, 32, 64, 96]
     args = [model, "--dtype", dtype, "--threads", "1", "--kv-memory", kv_memory, "--preemption", mode,
-            "--max-model-len", "512", "--served-model-name", "soak"]
+            "--max-model-len", "512", "--served-model-name", "soak"] + (["--deterministic"] if deterministic else [])
     with serve_process(args) as server:
         pid = server.proc.pid
         samples: list[tuple[float, int]] = []
@@ -257,20 +267,23 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
         metrics = httpx.get(f"{server.url}/metrics").text
         status = server.stop()
     left_files = sorted(str(p.relative_to(server.tmpdir)) for p in server.tmpdir.rglob("kvlab-swap-*"))
-    # warm-up: the first fifth of the run (allocator pools, the prefix cache and the host pool fill)
-    warm = [r for t, r in samples if t >= minutes * 60 / 5]
+    # warm-up (allocator pools, the prefix cache and the host pool fill): one minute, or the
+    # first fifth of a shorter run
+    warmup_s = min(60.0, minutes * 60 / 5)
+    warm = [r for t, r in samples if t >= warmup_s]
     growth = (max(warm[-3:]) - warm[0]) / warm[0] if len(warm) >= 4 else float("nan")
-    ts = [t for t, _ in samples if t >= minutes * 60 / 5]
+    ts = [t for t, _ in samples if t >= warmup_s]
     slope = _slope(ts, warm) * 60 / 2**20 if len(warm) >= 4 else float("nan")  # MiB per minute
     bad = None
-    if dtype == "fp32":
+    if dtype == "fp32" or deterministic:
         from kvlab.models import load
 
         loaded = load(model, dtype)
-        bad = mismatches(loaded.model, loaded.tokenizer, traffic.completed)
+        bad = mismatches(loaded.model, loaded.tokenizer, traffic.completed, deterministic)
     stats = cache["stats"]
     result = {
         "mode": mode, "minutes": minutes, "model": model, "dtype": dtype, "kv_memory": kv_memory,
+        "deterministic": deterministic, "warmup_s": warmup_s,
         "clients": clients, "requests": sum(traffic.statuses.values()), "statuses": dict(traffic.statuses),
         "completed": len(traffic.completed), "left_early": traffic.left, "hangs": traffic.hangs,
         "errors": traffic.errors, "preemptions": stats["preemptions"],
@@ -279,6 +292,7 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
         "rss_mib_end": round(warm[-1] / 2**20, 1) if warm else None,
         "rss_growth_pct": round(100 * growth, 2), "rss_slope_mib_per_min": round(slope, 3),
         "rss_samples_mib": [round(r / 2**20, 1) for _, r in samples],
+        "rss_sample_times_s": [round(t, 1) for t, _ in samples],
         "leaked_blocks": leaked_blocks(cache), "swap_file_open": swap_fd, "files_left": left_files,
         "mismatches": None if bad is None else len(bad), "exit_status": status,
         "swap_fallbacks": _metric(metrics, "kvlab_swap_fallbacks_total"),
@@ -314,13 +328,44 @@ def main() -> int:
     p.add_argument("--kv-memory", default="512KiB", help="cache size (default 512KiB: constant preemption)")
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="serve with --deterministic and compare every output bitwise with its solo run")
+    p.add_argument("--plot", help="write RSS over time (one line per mode) to this PNG")
     args = p.parse_args()
     ok = True
+    results = []
     for mode in args.preemption:
-        result = soak(mode, args.minutes, args.model, args.dtype, args.kv_memory, args.clients, args.seed)
+        result = soak(mode, args.minutes, args.model, args.dtype, args.kv_memory, args.clients, args.seed,
+                      args.deterministic)
         print(json.dumps(result), flush=True)
+        results.append(result)
         ok &= result["ok"]
+    if args.plot:
+        plot_rss(results, args.plot)
     return 0 if ok else 1
+
+
+def plot_rss(results: list[dict], path: str) -> None:
+    """RSS of the server process over time, the warm-up shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        minutes = [t / 60 for t in r["rss_sample_times_s"]]
+        ax.plot(minutes, r["rss_samples_mib"],
+                label=f"{r['model']} {r['dtype']} {r['mode']}{' deterministic' if r['deterministic'] else ''}"
+                      f": {r['rss_growth_pct']:+.1f}% after warm-up")
+    if results:
+        ax.axvspan(0, results[0]["warmup_s"] / 60, color="0.9", label="warm-up")
+    ax.set_xlabel("minutes of traffic")
+    ax.set_ylabel("server RSS (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
