@@ -156,7 +156,7 @@ def mismatches(model: CausalLM, tokenizer: TextTokenizer, completed: list[tuple[
 
     solo: dict[tuple[str, int], str] = {}
     bad = []
-    engine = LLM(model, tokenizer=tokenizer, deterministic=True, max_model_len=512) if deterministic else None
+    engine = LLM(model, tokenizer=tokenizer, deterministic=True) if deterministic else None
     for prompt, max_tokens, text in completed:
         key = (prompt, max_tokens)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

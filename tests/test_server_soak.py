@@ -13,7 +13,9 @@ import tempfile
 import pytest
 
 from benchmarks.soak import idle_cache, leaked_blocks, mismatches, run_traffic
-from tests.test_server_fixtures import CORPUS, MODEL_ID, LiveServer, tiny_bridge
+from kvlab.engine.options import EngineOptions
+from kvlab.server.run import build_bridge
+from tests.test_server_fixtures import CORPUS, MODEL_ID, LiveServer, make_tiny_model, tiny_bridge
 
 
 @pytest.mark.parametrize("mode", ["swap-ram", "swap-disk"])
@@ -35,3 +37,21 @@ def test_small_soak(tmp_path, mode):
     finally:
         live.stop()
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvlab-swap-*"))) == before
+
+
+def test_deterministic_server_answers_as_alone_in_bf16(tmp_path):
+    """--deterministic under the same mixed traffic, in bf16 (where batching otherwise changes
+    rounding): every completed output is bitwise its solo run in the same mode."""
+    options = EngineOptions(block_size=8, kv_memory=24 * 8 * 256, preemption="swap-ram", deterministic=True)
+    live = LiveServer(build_bridge(make_tiny_model(tmp_path), options, dtype="bf16", random_weights=True,
+                                   served_model_name=MODEL_ID))
+    try:
+        pool = [f"{CORPUS[i % 3][:30 + 7 * i]} ({i})" for i in range(12)]
+        traffic = asyncio.run(run_traffic(live.url, MODEL_ID, 60, 8, pool, [8, 24, 40], max_requests=6))
+        engine = live.bridge.engine
+        assert dict(traffic.statuses) == {200: 48} and traffic.hangs == 0 and not traffic.errors
+        assert engine.metrics().preemptions > 0
+        assert mismatches(engine.model, engine.tokenizer, traffic.completed, deterministic=True) == []
+        assert leaked_blocks(idle_cache(live.url)) == 0
+    finally:
+        live.stop()
