@@ -15,6 +15,8 @@ from kvlab.sampling import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    filter_logits,
+    sample_batch,
 )
 
 FAST = settings(max_examples=60, deadline=None)
@@ -147,3 +149,37 @@ def test_stop_string_spanning_pieces():
     assert out == ["Hel", "lo wo", "rl", "", "", ""] and m.stopped
     out, m = _stream("Hello world. Next", [3, 8, 11, 12], ("d. X",))
     assert out == ["Hel", "lo wo", "rl", "", "d. Next", ""] and not m.stopped
+
+
+# --- the engine's batched sampling ----------------------------------------------------------
+
+BATCH = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1),
+         SamplingParams(temperature=0.7, top_k=40, seed=2), SamplingParams(temperature=1.0, top_p=0.9, seed=3),
+         SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.05, seed=4),
+         SamplingParams(temperature=1.3, top_k=5, seed=5), SamplingParams(temperature=0.5, min_p=0.2, seed=6)]
+
+
+@pytest.mark.parametrize("vocab", [64, 50_000])  # one chunk; several chunks of rows
+def test_batched_sampling_draws_what_each_request_draws_alone(vocab):
+    alone = [Sampler(p) for p in BATCH]
+    batched = [Sampler(p) for p in BATCH]
+    for step in range(5):
+        logits = _logits(step, vocab, rows=len(BATCH)).to(torch.bfloat16)
+        expected = [int(s(logits[i:i + 1])[0]) for i, s in enumerate(alone)]
+        assert sample_batch(logits, batched) == expected
+
+
+def test_per_row_filter_parameters_equal_one_row_at_a_time():
+    logits = _logits(3, 200, rows=4)
+    ks, ps, mins, temps = [0, 7, 50, 7], [1.0, 0.9, 0.5, 0.3], [0.0, 0.1, 0.0, 0.02], [1.0, 0.7, 1.3, 2.0]
+    together = filter_logits(logits, temps, ks, ps, mins)
+    for i in range(4):
+        assert torch.equal(together[i:i + 1], filter_logits(logits[i:i + 1], temps[i], ks[i], ps[i], mins[i]))
+
+
+def test_a_row_that_cannot_be_drawn_fails_alone():
+    logits = _logits(4, 50, rows=3)
+    logits[1] = float("nan")
+    tokens = sample_batch(logits, [Sampler(SamplingParams(seed=i)) for i in range(3)])
+    assert isinstance(tokens[1], RuntimeError)
+    assert [type(t) for t in (tokens[0], tokens[2])] == [int, int]

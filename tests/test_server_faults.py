@@ -94,13 +94,14 @@ def test_a_request_whose_own_work_raises_fails_alone(folder):
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
     broken = engine.add_request("the cache holds keys", SamplingParams(temperature=0.8, seed=7, max_tokens=20))
     sampler, calls = engine.requests[broken].sampler, []
+    draw = sampler.draw
 
-    def nan_after_three(logits):  # what torch.multinomial says when a row is all NaN
+    def nan_after_three(probs):  # what torch.multinomial says when a row is all NaN
         calls.append(1)
         if len(calls) > 3:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return sampler(logits)
-    engine.requests[broken].sampler = nan_after_three  # type: ignore[assignment]
+        return draw(probs)
+    sampler.draw = nan_after_three  # type: ignore[method-assign]
     final = _drain(engine)
     assert final[broken].finish_reason == "error" and "nan" in final[broken].error
     assert len(final[broken].token_ids) == 3

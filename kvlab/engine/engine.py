@@ -25,7 +25,7 @@ from kvlab.hardware import system_memory
 from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import weight_bytes
 from kvlab.models.tokenizer import TextTokenizer
-from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, sample_batch, token_logprobs
 from kvlab.units import fmt_bytes
 
 log = logging.getLogger("kvlab.engine")
@@ -310,17 +310,8 @@ class LLMEngine:
             req.prompt_logprobs[first:first + len(scored)] = scored
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
-        """One token per sequence, or the exception its own sampler raised."""
-        reqs = [self.requests[s.request_id] for s in seqs]
-        # max(-1).indices: argmax's first-maximum rule, 3-4x faster than argmax on bf16 CPU rows
-        greedy = logits.max(-1).indices.tolist() if any(r.params.greedy for r in reqs) else []
-        tokens: list[int | Exception] = []
-        for i, r in enumerate(reqs):
-            try:
-                tokens.append(greedy[i] if r.params.greedy else int(r.sampler(logits[i:i + 1])[0]))
-            except Exception as e:
-                tokens.append(e)
-        return tokens
+        """One token per sequence, or the exception its own draw raised."""
+        return sample_batch(logits, [self.requests[s.request_id].sampler for s in seqs])
 
     def _fail(self, req: _Request, error: Exception) -> RequestOutput:
         """End a request whose own work raised; its blocks are freed like an abort's."""
