@@ -154,18 +154,16 @@ class KVCacheManager:
             needs.append(max(0, end_blocks - len(table)) + revived)
         return needs
 
-    def can_allocate(self, seq: Sequence, num_new: int, hit: PrefixHit | None = None) -> bool:
-        return all(n <= pool.num_available
-                   for n, pool in zip(self._needs(seq, num_new, hit), self.pools))
-
-    def allocate(self, seq: Sequence, num_new: int, hit: PrefixHit | None = None) -> BlockCopies:
-        """Extend `seq`'s tables to cover `num_new` more tokens (check can_allocate first).
+    def allocate(self, seq: Sequence, num_new: int, hit: PrefixHit | None = None) -> BlockCopies | None:
+        """Extend `seq`'s tables to cover `num_new` more tokens, or return None (nothing changed)
+        when some pool lacks the blocks: one call both asks and takes, so the needs are counted
+        once and no caller can take without asking.
 
         With a prefix hit, the cached blocks are shared and `seq` starts after them. A swapped
         sequence gets device blocks for its host copies; the returned (host, device) copies must
         run before the step."""
-        if not self.can_allocate(seq, num_new, hit):
-            raise RuntimeError(f"{seq.request_id}: not enough free blocks")
+        if any(n > pool.num_available for n, pool in zip(self._needs(seq, num_new, hit), self.pools)):
+            return None
         copies: BlockCopies = [[] for _ in self.groups]
         if hit is not None:
             seq.block_tables = [list(t) for t in hit.tables]

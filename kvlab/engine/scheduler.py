@@ -137,14 +137,13 @@ class Scheduler:
             seq = self.running[i]
             start = seq.num_computed_tokens
             n = self._on_grid(seq, start, self.kv.max_chunk(start, min(seq.num_tokens - start, budget), seq))
-            while not self.kv.can_allocate(seq, n):
+            while self.kv.allocate(seq, n) is None:  # a running sequence never swaps in: no copies
                 victim = self.running.pop()  # latest admitted
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break
-            self.kv.allocate(seq, n)
             out.chunks.append(ScheduledChunk.of(seq, start, n))
             budget -= n
             i += 1
@@ -158,9 +157,9 @@ class Scheduler:
             start = hit.tokens if hit is not None else seq.num_computed_tokens
             n = self._on_grid(seq, start, self.kv.max_chunk(start, min(seq.num_tokens - start, budget),
                                                             seq if hit is None else None))
-            if not self.kv.can_allocate(seq, n, hit):
-                break
             copies = self.kv.allocate(seq, n, hit)
+            if copies is None:
+                break
             for group, pairs in zip(out.swap_in, copies):
                 group.extend(pairs)
             self.waiting.popleft()
