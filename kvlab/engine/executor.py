@@ -78,7 +78,7 @@ class Worker:
 
     def __init__(self, model: CausalLM, rank: int = 0, tp: int = 1,
                  group: dist.ProcessGroup | None = None) -> None:
-        self.model, self.rank, self.group = model, rank, group
+        self.model, self.group = model, group
         self.spec = model.spec.tp_shard(tp)
         self.cache: PagedKVCache | None = None
         self.attn: PagedAttention | None = None
