@@ -286,6 +286,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     add_compute_bound(result, model)
+    if options.tp > 1:
+        result.notes.append(f"--tp {options.tp}: the bounds are one device's, with the whole model; "
+                            f"the {options.tp} ranks here share this machine's cores and memory")
     if result.decode_tokens_per_s is not None:
         result.bound_tokens_per_s = bandwidth_bound(model, args.input_len[1] + args.output_len[1] // 2)
     if args.json:
