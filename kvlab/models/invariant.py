@@ -29,6 +29,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from kvlab.eviction import fixed_point
+
 SPLIT = 64  # keys per split: a multiple of every block size used, and of SIMD widths
 ROW_CANDIDATES = (1, 2, 4, 8, 16)  # the smallest stable row block is searched among these
 _PROBE_BLOCKS = (1, 2, 3, 5, 9, 33)  # batches of this many row blocks are compared
@@ -103,8 +105,6 @@ def split_attention(q: Tensor, keys: Tensor, vals: Tensor, allowed: Tensor, row_
     ``[B, L]`` (see ``kvlab.eviction.fixed_point``), whose sums do not depend on order either.
     Returns the output [B, n, H, D] in q's dtype and the mass (or None).
     """
-    from kvlab.eviction import fixed_point  # the score format belongs to eviction
-
     b, n, h, d = q.shape
     kv, length = keys.shape[1], keys.shape[2]
     group = h // kv
