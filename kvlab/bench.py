@@ -116,6 +116,7 @@ class BenchResult:
     hf_output_tokens_per_s: float | None = None
     hf_batch_size: int | None = None
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
+    dtype_why: str = ""  # how the loader chose `dtype` (kvlab.models.loader.choose_dtype)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:

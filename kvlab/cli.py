@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from kvlab.dtypes import MODEL_DTYPE_HELP
 from kvlab.engine.options import byte_size, positive_int
 
 if TYPE_CHECKING:
@@ -163,11 +164,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = gen.result
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-                          "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
+                          "dtype_why": loaded.dtype.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
                           **result.as_dict()}))
     else:
         print()
-        print(result.figures() + (f" on each of {args.tp} ranks" if args.tp > 1 else ""), file=sys.stderr)
+        print(result.figures() + (f" on each of {args.tp} ranks" if args.tp > 1 else "")
+              + f"; {loaded.dtype}", file=sys.stderr)
     return 0
 
 
@@ -285,6 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             hf_tps, hf_out = run_hf(model, work, args.hf_batch_size, lambda d, t: bar.update(task, completed=d))
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
+    result.dtype_why = loaded.dtype.why
     add_compute_bound(result, model)
     if options.tp > 1:
         result.notes.append(f"--tp {options.tp}: the bounds are one device's, with the whole model; "
@@ -425,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights from the config (seeded); no tokenizer unless the folder has one")
-    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's; use 1 on a busy shared machine)")
@@ -468,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
                    "--random-weights a catalogue name or config.json")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
-    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--num-requests", type=positive_int, default=64,
                    help="requests in the workload, all submitted at once (default 64)")

@@ -119,7 +119,8 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
     longest = max(len(p) for p in prompts) + max_tokens
     blocks = -(-longest // block_size) + SPARE_BLOCKS
     spec = loaded.model.spec
-    options = EngineOptions(kv_memory=blocks * block_size * spec.tp_shard(tp).kv_bytes_per_token("bf16"),
+    # sized in the model's dtype (auto: bf16 or fp32 by machine), the cache's by default
+    options = EngineOptions(kv_memory=blocks * block_size * spec.tp_shard(tp).kv_bytes_per_token(loaded.dtype.name),
                             block_size=block_size, max_num_seqs=len(prompts),
                             max_num_batched_tokens=256, preemption=preemption,
                             max_model_len=longest, tp=tp)

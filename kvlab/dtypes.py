@@ -109,3 +109,9 @@ def matrix_bytes(dtype: StorageDtype, rows: int, cols: int) -> int:
     n = rows * cols
     groups = math.ceil(n / dtype.group_size) if dtype.group_size else 0
     return n * dtype.bits // 8 + groups * dtype.scale_bytes
+
+
+# --dtype of the commands that run a model by default in "auto" (kvlab.models.loader.choose_dtype);
+# here, free of torch, so that flag parsing stays fast
+MODEL_DTYPE_HELP = ("auto (default: bf16 on a GPU or a CPU with oneDNN's bf16 kernels, else fp32), "
+                    "fp32, bf16 or fp16")

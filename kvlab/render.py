@@ -194,6 +194,7 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     c = console or Console(width=max(Console().width, 110))
     t = _table(f"kvlab bench: {r.model}, {r.num_requests} requests, {r.output_tokens:,} output tokens "
                f"in {r.seconds:,.1f} s")
+    t.add_row("model dtype", r.dtype, r.dtype_why)
     t.add_row("output tokens/s", f"{r.output_tokens_per_s:,.1f}", "")
     if r.hf_output_tokens_per_s:
         t.add_row(f"transformers (static batches of {r.hf_batch_size})", f"{r.hf_output_tokens_per_s:,.1f}",

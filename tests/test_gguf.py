@@ -22,6 +22,7 @@ from kvlab.cli import main
 from kvlab.generate import generate
 from kvlab.gguf import open_gguf
 from kvlab.models import NoCache, load
+from kvlab.models.llama import _onednn_bf16_packing
 from kvlab.sampling import SamplingParams
 from kvlab.spec import ConfigError
 from tests.test_generate import byte_bpe
@@ -251,7 +252,7 @@ def test_smollm2_chat_template_matches_transformers(smollm2):
 
 
 def test_smollm2_answers_paris_from_the_cli(capsys):
-    """The default model, bf16, through the CLI exactly as the README shows it."""
+    """The default model in the default dtype (auto), through the CLI exactly as the README shows it."""
     assert main(["generate", "--chat", "What is the capital of France?", "--temperature", "0",
                  "--max-tokens", "12", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -268,7 +269,7 @@ def test_smollm2_plan_reports_stored_and_kv_bytes(capsys):
     assert plan["stored_weights_bytes"] < 98_362_432 < plan["weights_bytes"]  # below the file, below bf16
 
 
-def test_smollm2_served_chat_uses_the_files_template():
+def test_smollm2_served_chat_uses_the_files_template(caplog):
     """`kvlab serve` on the default GGUF: /v1/chat/completions renders the file's ChatML template,
     and the paged engine answers as the plain loop does."""
     openai = pytest.importorskip("openai")
@@ -276,7 +277,10 @@ def test_smollm2_served_chat_uses_the_files_template():
     from kvlab.server.run import build_bridge
     from tests.test_server_fixtures import LiveServer
 
-    bridge = build_bridge(None, EngineOptions(kv_memory="16MiB", max_model_len=512))
+    with caplog.at_level("INFO", "kvlab.server"):  # fp32 where auto picks it: 45 KiB per token
+        bridge = build_bridge(None, EngineOptions(kv_memory="32MiB", max_model_len=512))
+    dtype = "bf16" if _onednn_bf16_packing() else "fp32"
+    assert f"SmolLM2-135M-Instruct.Q4_1 in {dtype} (auto: this CPU has" in caplog.text  # start-up log
     live = LiveServer(bridge)
     try:
         client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -295,7 +299,7 @@ def test_smollm2_served_chat_uses_the_files_template():
 def test_llm_api_defaults_to_smollm2():
     from kvlab import LLM, SamplingParams
 
-    llm = LLM(kv_memory="8MiB", max_model_len=256)
+    llm = LLM(kv_memory="16MiB", max_model_len=256)  # room for 256 tokens in fp32 (auto's pick here)
     assert llm.engine.model.name == "SmolLM2-135M-Instruct.Q4_1"
     out = llm.generate(["The capital of France is", [1, 2, 3]],
                        SamplingParams(temperature=0, max_tokens=4))

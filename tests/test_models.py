@@ -19,8 +19,10 @@ from kvlab.models import (
     NoCache,
     UnsupportedModelError,
     build_model,
+    choose_dtype,
     load,
 )
+from kvlab.models.llama import _onednn_bf16_packing
 from kvlab.sampling import SamplingParams
 from kvlab.spec import ConfigError, spec_from_config
 
@@ -189,11 +191,38 @@ def test_batched_cache_matches_single_sequences(tmp_path):
 
 def test_dtype_choice_and_default(tmp_path):
     folder = make_checkpoint(tmp_path)
-    assert load(folder).model.dtype == torch.bfloat16
+    fast_bf16 = _onednn_bf16_packing()  # this CPU: the default is bf16 only with its kernels
+    assert load(folder).model.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert load(folder, "bf16").model.dtype == torch.bfloat16  # an explicit choice stands
     assert load(folder, "fp16").model.dtype == torch.float16
     assert load(folder, "fp32").model.dtype == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         load(folder, "int3")
+
+
+def test_auto_dtype_rule(tmp_path, monkeypatch):
+    """auto: bf16 on a GPU or where oneDNN's bf16 kernels run, fp32 elsewhere; said why."""
+    import kvlab.models.loader as loader
+
+    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(loader, "_onednn_bf16_packing", lambda fast=fast: fast)
+        cpu = choose_dtype("auto", "cpu")
+        assert cpu.dtype == want and cpu.why.startswith("auto:") and cpu.name in str(cpu)
+        assert ("no oneDNN bf16 kernels" in cpu.why) is not fast
+        gpu = choose_dtype("auto", "cuda:0")  # no GPU needed: the rule reads the device's kind
+        assert gpu.dtype == torch.bfloat16 and "cuda" in gpu.why
+        for name, dtype in (("fp32", torch.float32), ("BF16", torch.bfloat16), ("half", torch.float16),
+                            (torch.bfloat16, torch.bfloat16)):
+            assert choose_dtype(name, "cpu").dtype == dtype
+        assert ("slow here" in choose_dtype("bf16", "cpu").why) is not fast
+        assert "slow" not in choose_dtype("bf16", "cuda").why
+    with pytest.raises(ValueError, match="choose auto, fp32, bf16 or fp16"):
+        choose_dtype(torch.int8)
+    monkeypatch.undo()
+    # the real probe: auto picks bf16 exactly where bf16 weights get oneDNN's packed kernels
+    auto = load(make_checkpoint(tmp_path), "auto").model
+    bf16 = load(make_checkpoint(tmp_path), "bf16").model
+    assert (auto.dtype == torch.bfloat16) == (bf16.prepack() > 0)
 
 
 def test_eos_from_generation_config(tmp_path):

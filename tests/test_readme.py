@@ -32,6 +32,7 @@ import pytest
 import kvlab.engine.llm
 import kvlab.models
 from kvlab.cli import main
+from kvlab.models.loader import DEFAULT_DTYPE
 from kvlab.models.loader import load as real_load
 from tests.test_server_fixtures import make_tiny_model
 
@@ -41,10 +42,7 @@ README = (ROOT / "README.md").read_text()
 FAST: dict[str, dict[str, str]] = {
     "generate": {"--max-tokens": "4"},
     "measure": {"--contexts": "16,32", "--new-tokens": "4", "--prompt": "8"},
-    # fp32: bench measures a matmul peak in the model's dtype, and a bf16 matmul on a CPU without
-    # native bf16 (AVX2 only) takes ~40 s where fp32 takes under 1 s
-    "bench": {"--num-requests": "2", "--input-len": "8:16", "--output-len": "2:4", "--hf-batch-size": "2",
-              "--dtype": "fp32"},
+    "bench": {"--num-requests": "2", "--input-len": "8:16", "--output-len": "2:4", "--hf-batch-size": "2"},
     "demo": {"--max-tokens": "8"},
     "evict": {"--context": "128", "--budgets": "64", "--chunk": "32", "--trials": "2"},
 }
@@ -85,7 +83,7 @@ def loads_once():
     """Each model loaded once for all the README's commands (the default one takes ~5 s)."""
     cache: dict = {}
 
-    def load(model=None, dtype="bf16", **kw):
+    def load(model=None, dtype=DEFAULT_DTYPE, **kw):
         key = (str(model), str(dtype), tuple(sorted(kw.items())))
         if key not in cache:
             cache[key] = real_load(model, dtype, **kw)

@@ -18,7 +18,7 @@ from kvlab.engine.engine import EngineMetrics, LLMEngine, RequestOutput
 from kvlab.engine.options import EngineOptions
 from kvlab.engine.sizing import KVCapacity
 from kvlab.models.llama import CausalLM
-from kvlab.models.loader import load
+from kvlab.models.loader import DEFAULT_DTYPE, load
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import SamplingParams
 
@@ -31,11 +31,13 @@ class LLM:
     """A model behind the paged engine. ``model``: a GGUF file, a checkpoint folder, a bundled name
     (default ``smollm2-135m``), a catalogue name / config.json with ``random_weights=True``, or a
     built CausalLM.
+    ``dtype``: auto (bf16 where it runs fast, else fp32; see kvlab.models.loader.choose_dtype),
+    fp32, bf16 or fp16, for a model loaded here.
     Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, tp, ...).
     With ``tp=N`` the model runs as N worker processes on ``device`` (see kvlab.engine.executor)."""
 
     def __init__(self, model: str | Path | CausalLM | None = None, *,
-                 tokenizer: TextTokenizer | None = None, dtype: str = "bf16", device: str = "cpu",
+                 tokenizer: TextTokenizer | None = None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
                  random_weights: bool = False, seed: int = 0, **engine_options: Any) -> None:
         options = EngineOptions(**engine_options)
         # tensor-parallel workers cut their shards from a whole model in this process's memory

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvlab.dtypes import MODEL_DTYPE_HELP
 from kvlab.engine.options import EngineOptions, add_engine_args
 
 if TYPE_CHECKING:  # keep torch out of flag parsing
@@ -47,7 +48,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long running requests may take to finish before they are "
                    "ended (default 30)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
-    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random-weights")
@@ -56,7 +57,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-def build_bridge(model: str | Path | None, options: EngineOptions | None = None, *, dtype: str = "bf16",
+def build_bridge(model: str | Path | None, options: EngineOptions | None = None, *, dtype: str = "auto",
                  device: str = "cpu", random_weights: bool = False, seed: int = 0,
                  served_model_name: str | None = None) -> EngineBridge:
     """Load the model, allocate the paged cache, and wrap the engine for the app."""
@@ -68,6 +69,7 @@ def build_bridge(model: str | Path | None, options: EngineOptions | None = None,
     # tensor-parallel workers cut their shards from a whole model in this process's memory
     loaded = load(model, dtype, device="cpu" if options.tp > 1 else device, random_weights=random_weights,
                   seed=seed)
+    logging.getLogger("kvlab.server").info("%s in %s", loaded.model.name, loaded.dtype)
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=device, **asdict(options))
     return EngineBridge(llm.engine, served_model_name or loaded.model.name, loaded.chat_template)
 
