@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvlab.dtypes import MODEL_DTYPE_HELP
-from kvlab.engine.options import byte_size, positive_int
+from kvlab.engine.options import byte_size, check_torchrun_tp, positive_int
 
 if TYPE_CHECKING:
     from kvlab.plan.engines.llamacpp import LlamaCppSettings
@@ -542,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "tp", None) is not None:  # before the model loads, on every rank alike
+            check_torchrun_tp(args.tp)
         return args.func(args)
     except UsageError as e:
         print(e, file=sys.stderr)

@@ -8,35 +8,45 @@ through its model over its cache. ``LocalExecutor`` calls one Worker holding the
 its shard (``kvlab.models.parallel``) and its share of the KV heads, joined by torch.distributed
 (gloo on CPU, NCCL on CUDA) for the all-reduces inside the model. Every rank's block pool has the
 same blocks (the driver's block ids mean the same slots everywhere), so one message per step
-drives them all; rank 0 sends back the logits.
+drives them all; rank 0 sends back the logits. Every message is a method of ``Worker.answer``
+and its arguments; every rank replies (ok, result, fp8 values clamped).
 
 The driver talks to the workers over pipes, never through a collective, so it can always watch
 them: a worker that dies (its process sentinel fires) or does not answer within ``timeout_s``
 (hung) ends the run with a ``WorkerError`` and every worker process is stopped. Workers stop by
 themselves when the driver goes away (their pipe closes) or a peer stops answering inside a
 collective (the process group's timeout).
+
+Under ``torchrun`` (across machines) the processes are torchrun's, one per rank, each running the
+same command: ``TorchrunExecutor`` makes rank 0 the driver, which also runs rank 0's shard, and
+sends the same messages over a gloo process group instead of pipes; ranks above 0 answer them in
+``serve_torchrun_rank``. A rank that dies closes its connections (rank 0's next message fails);
+one that hangs is waited for ``timeout_s`` at most: either way rank 0 ends with a ``WorkerError``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 import socket
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from kvlab.engine.attention import InvariantAttention, PagedAttention, SeqSpan
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.kv_manager import BlockCopies
+from kvlab.engine.options import TorchrunRank, check_torchrun_tp, torchrun_rank
 from kvlab.engine.sizing import LayerGroup
 from kvlab.hardware import available_memory
 from kvlab.models.llama import CausalLM
@@ -69,6 +79,9 @@ class CacheConfig:
     calibration_ids: list[int]  # the fixed text fp8 scales are set from (unused otherwise)
 
 
+Reply = tuple[bool, Any, int]  # a rank's answer: ok, its result (or exception), fp8 values clamped
+
+
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died, hung or failed: the run cannot go on."""
 
@@ -78,7 +91,7 @@ class Worker:
 
     def __init__(self, model: CausalLM, rank: int = 0, tp: int = 1,
                  group: dist.ProcessGroup | None = None) -> None:
-        self.model, self.group = model, group
+        self.model, self.group, self.rank = model, group, rank
         self.spec = model.spec.tp_shard(tp)
         self.cache: PagedKVCache | None = None
         self.attn: PagedAttention | None = None
@@ -130,6 +143,27 @@ class Worker:
         assert self.cache is not None
         self.cache.swap_in(copies)
 
+    def answer(self, method: str, args: tuple[Any, ...]) -> Reply:
+        """One of the driver's messages ("info", "init_cache", "execute", "swap_out", "swap_in")
+        run here, as the reply a rank sends back: it never raises, so a rank keeps serving."""
+        calls: dict[str, Callable[..., Any]] = {
+            "info": self.info, "init_cache": self.init_cache, "swap_out": self.swap_out,
+            "swap_in": self.swap_in,
+            "execute": lambda step: self.execute(step).cpu(),  # a tensor travels from host memory
+        }
+        try:
+            return True, calls[method](*args), self.saturated
+        except OSError as e:  # recoverable (a full swap disk): the driver decides
+            return False, e, self.saturated
+        except Exception as e:  # the driver stops every rank: say why here, in full, first
+            log.exception("tensor-parallel worker %d: %s failed", self.rank, method)
+            return False, RuntimeError(f"{type(e).__name__}: {e}"), 0
+
+    def info(self) -> dict[str, Any]:
+        """What the driver checks and sizes from: the model, its dtype, device and weight bytes."""
+        return {"name": self.model.name, "dtype": str(self.model.dtype), "device": str(self.model.device),
+                "weight_bytes": weight_bytes(self.model)}
+
 
 class Executor(Protocol):
     """What the engine asks of wherever the model runs."""
@@ -178,45 +212,35 @@ class LocalExecutor:
         pass
 
 
-class TPExecutor:
-    """`tp` worker processes, one per rank, on this machine: fork on CPU (the children share the
-    loaded model's pages, nothing is copied or re-imported), spawn on CUDA (which cannot fork;
-    the model's tensors reach the children through shared memory). Each keeps its shard."""
+class _RankedExecutor:
+    """The engine's calls as one message to every rank (``_call``), the same for every way ranks
+    are started; subclasses say how a message reaches them and how they are stopped."""
 
-    def __init__(self, model: CausalLM, tp: int, device: str = "cpu", timeout_s: float = 300.0) -> None:
-        check_tp(model.spec, tp)
-        cuda = torch.device(device).type == "cuda"
-        ctx = torch.multiprocessing.get_context("spawn" if cuda else "fork")
-        self.tp, self.timeout_s = tp, timeout_s
-        self.cache: PagedKVCache | None = None  # every rank's cache lives in its worker
-        self.failure: str | None = None
+    tp: int
+    failure: str | None  # why the run ended, once it has: every later call raises it
+    cache: PagedKVCache | None = None  # every rank's cache lives in its worker
+    rank_weight_bytes: list[int]
+    rank_cache_bytes: list[int]
+
+    def _start(self, tp: int) -> None:
+        """Ask every rank what it holds (the ranks must be up)."""
+        self.tp, self.failure = tp, None
         self._saturated = [0] * tp  # each rank's count, as its last reply said
         self._last_replies: list[Any] = []  # every rank's result of the last call
-        threads = max(1, torch.get_num_threads() // tp)  # the driver idles while workers compute
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        pipes = [ctx.Pipe() for _ in range(tp)]
-        self.conns = [ours for ours, _ in pipes]
-        self.procs: list[BaseProcess] = []
-        for rank, (_, theirs) in enumerate(pipes):
-            # a forked child inherits every pipe end made so far; it must close all but its own,
-            # or the driver's death (or a sibling's) would never close a pipe
-            inherited = [] if cuda else [c for pair in pipes for c in pair if c is not theirs]
-            proc = ctx.Process(target=_worker_main, name=f"kvlab-tp{rank}", daemon=True,
-                               args=(model, rank, tp, device, init, timeout_s, threads, theirs, inherited))
-            proc.start()
-            self.procs.append(proc)
-        for _, theirs in pipes:
-            theirs.close()  # only the children hold these ends: their death closes the pipe
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         info = self._call("info")
         self.device = torch.device(info["device"])
-        self.weight_bytes = max(r["weight_bytes"] for r in self._last_replies)
         self.rank_weight_bytes = [r["weight_bytes"] for r in self._last_replies]
+        self.weight_bytes = max(self.rank_weight_bytes)
+        loaded = {(r["name"], r["dtype"]) for r in self._last_replies}
+        if len(loaded) != 1:  # each machine loads its own copy: --dtype auto may choose differently
+            self._fail(f"tensor-parallel ranks loaded different models: "
+                       f"{[(r['name'], r['dtype']) for r in self._last_replies]}; pass the same model "
+                       f"and an explicit --dtype to every rank")
 
     # --- the engine's calls ----------------------------------------------------------------------
     def init_cache(self, cfg: CacheConfig) -> int:
         self._call("init_cache", cfg)
-        self.rank_cache_bytes: list[int] = list(self._last_replies)  # measured from each rank's tensors
+        self.rank_cache_bytes = list(self._last_replies)  # measured from each rank's tensors
         if len(set(self.rank_cache_bytes)) != 1:
             raise WorkerError(f"tensor-parallel ranks allocated different caches: {self.rank_cache_bytes} B")
         return self.rank_cache_bytes[0]
@@ -236,25 +260,85 @@ class TPExecutor:
     def saturated(self) -> int:
         return sum(self._saturated)
 
+    # --- the messages ------------------------------------------------------------------------------
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run `method` on every rank; rank 0's result. Each rank's result is kept in
+        ``_last_replies``. A rank's OSError is raised here as one (the engine recovers from a
+        failed swap-out); anything else ends the run."""
+        if self.failure is not None:
+            raise WorkerError(self.failure)
+        replies: dict[int, Any] = {}
+        errors: dict[int, OSError] = {}
+        for rank, (ok, value, saturated) in self._exchange(method, args):
+            self._saturated[rank] = saturated
+            if ok:
+                replies[rank] = value
+            elif isinstance(value, OSError):
+                errors[rank] = value
+            else:  # the ranks may now wait on each other in a collective: stop them all
+                self._fail(f"tensor-parallel worker {rank} failed in {method}: {value}")
+        if errors:
+            raise next(iter(errors.values()))
+        self._last_replies = [replies[r] for r in range(self.tp)]
+        return replies[0]
+
+    def _exchange(self, method: str, args: tuple[Any, ...]) -> Iterator[tuple[int, Reply]]:
+        """Send the call to every rank; yield (rank, reply) as each answers; ``_fail`` on a rank
+        that is gone or does not answer."""
+        raise NotImplementedError
+
+    def _fail(self, message: str) -> NoReturn:
+        """Stop every rank and raise; every later call raises the same error."""
+        self.failure = message
+        log.error("%s", message)
+        self._abort()
+        raise WorkerError(message)
+
+    def _abort(self) -> None:
+        """Stop every rank at once, whatever it is doing."""
+        raise NotImplementedError
+
+
+class TPExecutor(_RankedExecutor):
+    """`tp` worker processes, one per rank, on this machine: fork on CPU (the children share the
+    loaded model's pages, nothing is copied or re-imported), spawn on CUDA (which cannot fork;
+    the model's tensors reach the children through shared memory). Each keeps its shard."""
+
+    def __init__(self, model: CausalLM, tp: int, device: str = "cpu", timeout_s: float = 300.0) -> None:
+        check_tp(model.spec, tp)
+        cuda = torch.device(device).type == "cuda"
+        ctx = torch.multiprocessing.get_context("spawn" if cuda else "fork")
+        self.timeout_s = timeout_s
+        threads = max(1, torch.get_num_threads() // tp)  # the driver idles while workers compute
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        pipes = [ctx.Pipe() for _ in range(tp)]
+        self.conns = [ours for ours, _ in pipes]
+        self.procs: list[BaseProcess] = []
+        for rank, (_, theirs) in enumerate(pipes):
+            # a forked child inherits every pipe end made so far; it must close all but its own,
+            # or the driver's death (or a sibling's) would never close a pipe
+            inherited = [] if cuda else [c for pair in pipes for c in pair if c is not theirs]
+            proc = ctx.Process(target=_worker_main, name=f"kvlab-tp{rank}", daemon=True,
+                               args=(model, rank, tp, device, init, timeout_s, threads, theirs, inherited))
+            proc.start()
+            self.procs.append(proc)
+        for _, theirs in pipes:
+            theirs.close()  # only the children hold these ends: their death closes the pipe
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._start(tp)
+
     def close(self) -> None:
         """Stop every worker process (idempotent)."""
         self._finalizer()
 
     # --- the pipes ---------------------------------------------------------------------------------
-    def _call(self, method: str, *args: Any) -> Any:
-        """Run `method` on every rank; rank 0's result. Each rank's result is kept in
-        ``_last_replies``. A worker's OSError is raised here as one (the engine recovers from a
-        failed swap-out); anything else ends the run."""
-        if self.failure is not None:
-            raise WorkerError(self.failure)
+    def _exchange(self, method: str, args: tuple[Any, ...]) -> Iterator[tuple[int, Reply]]:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(payload)
             except OSError:  # its end is closed: the process is gone
                 self._fail(self._death(rank))
-        replies: dict[int, Any] = {}
-        errors: dict[int, BaseException] = {}
         waiting = dict(enumerate(self.conns))
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         deadline = time.monotonic() + self.timeout_s
@@ -269,21 +353,11 @@ class TPExecutor:
                     self._fail(self._death(sentinels[obj]))
                 rank = next(r for r, c in waiting.items() if c is obj)
                 try:
-                    ok, value, saturated = pickle.loads(obj.recv_bytes())
+                    reply = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError):
                     self._fail(self._death(rank))
                 del waiting[rank]
-                self._saturated[rank] = saturated
-                if ok:
-                    replies[rank] = value
-                elif isinstance(value, OSError):
-                    errors[rank] = value
-                else:  # the ranks may now wait on each other in a collective: stop them all
-                    self._fail(f"tensor-parallel worker {rank} failed in {method}: {value}")
-        if errors:
-            raise next(iter(errors.values()))
-        self._last_replies = [replies[r] for r in range(self.tp)]
-        return replies[0]
+                yield rank, reply
 
     def _death(self, rank: int) -> str:
         proc = self.procs[rank]
@@ -293,22 +367,128 @@ class TPExecutor:
                f"exited with status {code}" if code is not None else "closed its pipe")
         return f"tensor-parallel worker {rank} (pid {proc.pid}) {how}; all workers stopped"
 
-    def _fail(self, message: str) -> None:
-        """Stop every worker and raise; every later call raises the same error."""
-        self.failure = message
-        log.error("%s", message)
+    def _abort(self) -> None:
         for proc in self.procs:  # at once: a hung (or stopped) worker would not heed SIGTERM
             proc.kill()
         self.close()
-        raise WorkerError(message)
+
+
+class TorchrunExecutor(_RankedExecutor):
+    """Rank 0 of the processes ``torchrun`` started, one per rank, on one machine or several: this
+    process is the driver and runs rank 0's shard itself; every other rank runs
+    ``serve_torchrun_rank``. Each message is broadcast from rank 0 and the replies gathered back
+    on gloo groups of their own (``_TorchrunGroups``), whatever the backend of the model's
+    all-reduces (NCCL on CUDA)."""
+
+    def __init__(self, model: CausalLM, where: TorchrunRank, device: str, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.groups = _TorchrunGroups.join(where, device, timeout_s)
+        # the caller keeps the whole model (bench reads its bounds from it): the shard is cut from
+        # a copy of the modules whose tensors share the model's memory, so only the shard's slices
+        # are new; its parameters are new objects, as moving a shard to CUDA replaces their data
+        memo: dict[int, Any] = {id(p): nn.Parameter(p.detach(), requires_grad=False) for p in model.parameters()}
+        memo |= {id(b): b for b in model.buffers()}
+        self.worker = _shard_worker(copy.deepcopy(model, memo), 0, where.world_size, self.groups.device)
+        self._finalizer = weakref.finalize(self, self.groups.close)
+        self._start(where.world_size)
+
+    def close(self) -> None:
+        """Tell the other ranks to leave, then leave the process group (idempotent)."""
+        self._finalizer()
+
+    def _exchange(self, method: str, args: tuple[Any, ...]) -> Iterator[tuple[int, Reply]]:
+        try:
+            dist.broadcast_object_list([(method, args)], src=0, group=self.groups.orders)
+        except RuntimeError as e:  # a rank's connection closed: it is gone
+            self._fail(f"tensor-parallel ranks could not be sent {method}: {e}")
+        mine = self.worker.answer(method, args)
+        yield 0, mine  # a failure here (a peer gone inside an all-reduce) ends the run before the gather
+        replies: list[Any] = [None] * self.tp
+        try:
+            dist.gather_object(mine, replies, dst=0, group=self.groups.replies)
+        except RuntimeError as e:  # a rank died, or did not answer within the timeout
+            self._fail(f"tensor-parallel ranks did not answer {method} within {self.timeout_s:g} s "
+                       f"(gone or hung): {e}")
+        yield from ((rank, replies[rank]) for rank in range(1, self.tp))
+
+    def _abort(self) -> None:
+        # the other ranks leave when this process's connections close (its exit) or their
+        # collectives time out: nothing is sent to ranks that may be dead or stuck
+        self._finalizer.detach()
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _TorchrunGroups:
+    """A torchrun rank's process groups: the default one for the model's all-reduces (gloo on
+    CPU, NCCL on CUDA), and two gloo groups for the driver's messages, on host memory whatever
+    the device. Rank 0's orders may be far apart (an idle server sends none), so the ranks wait
+    for them without a timeout that matters; the replies come within --tp-timeout, or rank 0
+    ends the run."""
+
+    orders: dist.ProcessGroup
+    replies: dist.ProcessGroup
+    device: torch.device  # this rank's
+
+    @staticmethod
+    def join(where: TorchrunRank, device: str, timeout_s: float) -> _TorchrunGroups:
+        """Join torchrun's rendezvous (MASTER_ADDR / MASTER_PORT, RANK, WORLD_SIZE)."""
+        cuda = torch.device(device).type == "cuda"
+        here = torch.device("cuda", where.local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(here)
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        orders = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+        return _TorchrunGroups(orders, dist.new_group(backend="gloo", timeout=timeout), here)
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to leave, then leave the process group."""
+        try:
+            dist.broadcast_object_list([("close", ())], src=0, group=self.orders)
+        finally:
+            dist.destroy_process_group()
+
+
+def serve_torchrun_rank(model: CausalLM, where: TorchrunRank, device: str, timeout_s: float) -> None:
+    """A torchrun rank above 0: cut this rank's shard from `model` (in place), then answer rank
+    0's messages until it closes. A failed call is answered (rank 0 ends the run); a lost rank 0
+    (its connection closed) raises here."""
+    groups = _TorchrunGroups.join(where, device, timeout_s)
+    try:
+        worker = _shard_worker(model, where.rank, where.world_size, groups.device)
+        while True:
+            order: list[Any] = [None]
+            dist.broadcast_object_list(order, src=0, group=groups.orders)
+            method, args = order[0]
+            if method == "close":
+                return
+            dist.gather_object(worker.answer(method, args), None, dst=0, group=groups.replies)
+    finally:
+        dist.destroy_process_group()
 
 
 def make_executor(model: CausalLM, tp: int = 1, device: str | None = None,
                   timeout_s: float = 300.0) -> Executor:
-    """The whole model here (tp=1), or `tp` worker processes on `device` (default: the model's)."""
+    """The whole model here (tp=1), or `tp` ranks on `device` (default: the model's): worker
+    processes started here, or, under torchrun, its processes (`tp` must be their number).
+
+    Under torchrun every process runs the same command; on ranks above 0 this call does not
+    return: the rank serves rank 0's steps, then the process exits (status 0) when rank 0 closes,
+    so what the command does with the engine (print, serve HTTP) happens on rank 0 alone."""
+    where = torchrun_rank()
+    if where is not None:
+        check_torchrun_tp(tp)
     if tp == 1:
         return LocalExecutor(model)
-    return TPExecutor(model, tp, device or str(model.device), timeout_s)
+    device = device or str(model.device)
+    if where is None:
+        return TPExecutor(model, tp, device, timeout_s)
+    check_tp(model.spec, tp)
+    if where.rank > 0:
+        serve_torchrun_rank(model, where, device, timeout_s)
+        raise SystemExit(0)
+    return TorchrunExecutor(model, where, device, timeout_s)
 
 
 # --- the worker process ------------------------------------------------------------------------------
@@ -327,28 +507,24 @@ def _worker_main(model: CausalLM, rank: int, tp: int, device: str, init: str, ti
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=tp,
                             timeout=timedelta(seconds=timeout_s))
     try:
-        shard_model(model, rank, tp)
-        if cuda:
-            model.to(f"cuda:{rank}")
-        worker = Worker(model, rank, tp, dist.group.WORLD)
-        calls = {"info": lambda: {"device": str(model.device), "weight_bytes": weight_bytes(model)},
-                 "init_cache": worker.init_cache, "execute": lambda s: worker.execute(s).cpu(),
-                 "swap_out": worker.swap_out, "swap_in": worker.swap_in}
+        worker = _shard_worker(model, rank, tp, torch.device(f"cuda:{rank}") if cuda else model.device)
         while True:
             try:
                 method, args = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return
-            try:
-                reply = (True, calls[method](*args), worker.saturated)
-            except OSError as e:  # recoverable (a full swap disk): the driver decides
-                reply = (False, e, worker.saturated)
-            except Exception as e:  # the driver stops every rank: say why here, in full, first
-                log.exception("tensor-parallel worker %d: %s failed", rank, method)
-                reply = (False, RuntimeError(f"{type(e).__name__}: {e}"), 0)
-            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            conn.send_bytes(pickle.dumps(worker.answer(method, args), protocol=pickle.HIGHEST_PROTOCOL))
     finally:
         dist.destroy_process_group()
+
+
+def _shard_worker(model: CausalLM, rank: int, tp: int, device: torch.device) -> Worker:
+    """Cut rank `rank`'s shard from `model` (in place), move it to `device`, and wrap it: the
+    process group (its all-reduces) must be up."""
+    shard_model(model, rank, tp)
+    if device.type == "cuda":
+        model.to(device)
+    return Worker(model, rank, tp, dist.group.WORLD)
 
 
 def _stop(procs: list[BaseProcess], conns: list[connection.Connection]) -> None:

@@ -4,6 +4,7 @@ CLI flags (``block_size`` <-> ``--block-size``) on every command that runs the e
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -22,6 +23,32 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+@dataclass(frozen=True)
+class TorchrunRank:
+    """This process's place among the processes ``torchrun`` started (its environment says)."""
+
+    rank: int  # 0: the driver; above: a worker rank serving rank 0's steps
+    world_size: int
+    local_rank: int  # on this machine: the GPU it takes
+
+
+def torchrun_rank() -> TorchrunRank | None:
+    """Where torchrun put this process (RANK, WORLD_SIZE, LOCAL_RANK; MASTER_ADDR says where
+    rank 0's store listens), or None when these are not all set: torchrun did not start it."""
+    env = os.environ
+    if not all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+        return None
+    return TorchrunRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+
+
+def check_torchrun_tp(tp: int) -> None:
+    """Under torchrun every process is one tensor-parallel rank: --tp must be their number."""
+    where = torchrun_rank()
+    if where is not None and tp != where.world_size:
+        raise ValueError(f"--tp {tp} under torchrun with {where.world_size} processes (WORLD_SIZE): "
+                         f"each process is one rank, so pass --tp {where.world_size}")
 
 
 def byte_size(text: str) -> int:
