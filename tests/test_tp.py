@@ -1,21 +1,28 @@
-"""Tensor parallelism (``--tp N``, ``LLM(tp=N)``): N gloo worker processes on this CPU.
+"""Tensor parallelism (``--tp N``, ``LLM(tp=N)``): N gloo worker processes on this CPU, or
+torchrun's processes (``torchrun -m kvlab ... --tp N``).
 
 Greedy tokens at tp=2 and tp=4 equal tp=1 (prefix hits, chunked prefill, preemption by
 recompute and swap, an fp8 cache), including a model whose KV heads are fewer than the ranks
 (replicated); each rank's cache tensors hold exactly the plan's kv_bytes_per_gpu; an invalid size
 gets the planner's message; a worker that is killed or hangs ends the run with a clear error and
-leaves no process behind. fp32 tiny models: the ranks' partial sums differ from one matmul by
+leaves no process behind. Under torchrun, the ranks give the tp=1 tokens, --tp must be the
+number of processes, and a rank that dies ends rank 0's server with the reason. fp32 tiny models: the ranks' partial sums differ from one matmul by
 rounding only, far below the gaps between these models' top logits.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 
+from kvlab.cli import main
 from kvlab.engine.executor import TPExecutor, WorkerError
 from kvlab.engine.llm import LLM
 from kvlab.plan import PlanRequest, make_plan
@@ -172,3 +179,81 @@ def test_server_with_tp_survives_a_client_disconnect(tmp_path):
     finally:
         live.stop()
         live.bridge.engine.close()
+
+
+# --- torchrun --------------------------------------------------------------------------------------
+
+def _tiny_generate(config) -> list[str]:
+    """`kvlab generate` arguments for the tiny model: fp32, one thread (the machine is shared)."""
+    return ["generate", str(config), "the cache holds", "--random-weights", "--dtype", "fp32",
+            "--max-tokens", "12", "--json", "--threads", "1"]
+
+
+def test_torchrun_ranks_give_the_tp1_tokens(tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m kvlab generate --tp 2`: rank 0 alone prints, the tokens of
+    tp=1, and rank 1 exits 0 once rank 0 closes (else torchrun's status is not 0)."""
+    from tests.test_server_fixtures import make_tiny_model
+
+    argv = _tiny_generate(make_tiny_model(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "kvlab", *argv, "--tp", "2"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    [line] = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    out = json.loads(line)
+    assert out["tp"] == 2 and out["token_ids"] == expected
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_torchrun_tp_must_be_the_number_of_processes(model, monkeypatch, capsys, tp):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["generate", "any-model", "hi", "--tp", str(tp)]) == 2  # before loading anything
+    assert capsys.readouterr().err == (f"kvlab: error: --tp {tp} under torchrun with 2 processes "
+                                       f"(WORLD_SIZE): each process is one rank, so pass --tp 2\n")
+    with pytest.raises(ValueError, match=f"^--tp {tp} under torchrun with 2 processes"):
+        LLM(model, kv_memory="1MiB", tp=tp)
+
+
+def test_a_dead_torchrun_rank_ends_rank_0_with_the_reason(tmp_path):
+    """Two ranks as on two machines (plain processes with torchrun's environment, no torchrun agent
+    to stop the others): `kvlab serve --tp 2` answers; once rank 1 is killed, the next request
+    fails saying why and rank 0 exits 1 with the reason, instead of waiting for rank 1."""
+    import httpx
+
+    from kvlab.engine.executor import _free_port
+    from tests.test_server_fixtures import make_tiny_model
+
+    config = make_tiny_model(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LOCAL_RANK": "0"}
+    argv = [sys.executable, "-m", "kvlab", "serve", str(config), "--random-weights", "--dtype", "fp32",
+            "--threads", "1", "--tp", "2", "--kv-memory", "1MiB", "--port", str(port), "--served-model-name", "tiny"]
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    ranks = [subprocess.Popen(argv, env={**env, "RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                              stderr=log.open("w")) for rank, log in enumerate(logs)]
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "tiny", "prompt": "the cache holds", "max_tokens": 8, "temperature": 0}
+    try:
+        deadline = time.monotonic() + 120
+        while "serving" not in logs[0].read_text():
+            assert time.monotonic() < deadline and ranks[0].poll() is None, logs[0].read_text()
+            time.sleep(0.2)
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        ranks[1].kill()
+        ranks[1].wait()
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code >= 500 and "Connection closed by peer" in r.text
+        assert ranks[0].wait(timeout=30) == 1
+        assert "kvlab: tensor-parallel ranks could not be sent execute" in logs[0].read_text()
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
