@@ -206,7 +206,7 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(args: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 120) -> Iterator[ServeProcess]:
+def serve_process(args: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 600) -> Iterator[ServeProcess]:
     """Run `kvlab serve ARGS --port P` until /health answers; stop it (SIGTERM) on the way out."""
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="kvlab-serve-"))
