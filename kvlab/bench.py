@@ -78,6 +78,7 @@ def percentile(values: list[float], q: float) -> float:
 class BenchResult:
     model: str
     dtype: str  # the model's (fp32, bf16, fp16): 16-bit greedy outputs may differ from a peer's
+    deterministic: bool  # batch-invariant kernels (--deterministic): slower, answers independent of load
     num_requests: int
     output_tokens: int
     seconds: float
@@ -254,7 +255,8 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     after = ttfts[1:]
     single = len(reqs) == 1 and tokens > 1
     result = BenchResult(
-        model=model.name, dtype=MODEL_KV_DTYPE[model.dtype], num_requests=len(reqs), output_tokens=tokens,
+        model=model.name, dtype=MODEL_KV_DTYPE[model.dtype], deterministic=options.deterministic,
+        num_requests=len(reqs), output_tokens=tokens,
         seconds=seconds,
         output_tokens_per_s=tokens / seconds, ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99), ttft_mean_s=statistics.fmean(ttfts),
