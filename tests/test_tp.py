@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,10 +221,13 @@ def test_torchrun_tp_must_be_the_number_of_processes(model, monkeypatch, capsys,
         LLM(model, kv_memory="1MiB", tp=tp)
 
 
-def test_a_dead_torchrun_rank_ends_rank_0_with_the_reason(tmp_path):
+@pytest.mark.parametrize("sig, reason", [(signal.SIGKILL, r"Connection (closed|reset) by peer"),
+                                         (signal.SIGSTOP, r"Timed out waiting 3000ms")], ids=["killed", "hung"])
+def test_a_lost_torchrun_rank_ends_rank_0_with_the_reason(tmp_path, sig, reason):
     """Two ranks as on two machines (plain processes with torchrun's environment, no torchrun agent
-    to stop the others): `kvlab serve --tp 2` answers; once rank 1 is killed, the next request
-    fails saying why and rank 0 exits 1 with the reason, instead of waiting for rank 1."""
+    to stop the others): `kvlab serve --tp 2` answers; once rank 1 is killed or stopped, the next
+    request fails saying why (at once, or after --tp-timeout) and rank 0 exits 1 with the reason,
+    instead of waiting for rank 1 for ever."""
     import httpx
 
     from kvlab.engine.executor import _free_port
@@ -234,7 +238,7 @@ def test_a_dead_torchrun_rank_ends_rank_0_with_the_reason(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "LOCAL_RANK": "0"}
     argv = [sys.executable, "-m", "kvlab", "serve", str(config), "--random-weights", "--dtype", "fp32",
-            "--threads", "1", "--tp", "2", "--kv-memory", "1MiB", "--port", str(port), "--served-model-name", "tiny"]
+            "--threads", "1", "--tp", "2", "--tp-timeout", "3", "--kv-memory", "1MiB", "--port", str(port), "--served-model-name", "tiny"]
     logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
     ranks = [subprocess.Popen(argv, env={**env, "RANK": str(rank)}, stdout=subprocess.DEVNULL,
                               stderr=log.open("w")) for rank, log in enumerate(logs)]
@@ -246,12 +250,14 @@ def test_a_dead_torchrun_rank_ends_rank_0_with_the_reason(tmp_path):
             assert time.monotonic() < deadline and ranks[0].poll() is None, logs[0].read_text()
             time.sleep(0.2)
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
-        ranks[1].kill()
-        ranks[1].wait()
+        ranks[1].send_signal(sig)
+        if sig == signal.SIGKILL:
+            ranks[1].wait()  # its sockets are closed only once it is gone
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-        assert r.status_code >= 500 and "Connection closed by peer" in r.text
+        assert r.status_code >= 500 and re.search(reason, r.text), r.text
         assert ranks[0].wait(timeout=30) == 1
-        assert "kvlab: tensor-parallel ranks could not be sent execute" in logs[0].read_text()
+        last = logs[0].read_text().splitlines()[-1]
+        assert last.startswith("kvlab: tensor-parallel") and re.search(reason, last), last
     finally:
         for proc in ranks:
             if proc.poll() is None:

@@ -377,7 +377,7 @@ class TorchrunExecutor(_RankedExecutor):
     """Rank 0 of the processes ``torchrun`` started, one per rank, on one machine or several: this
     process is the driver and runs rank 0's shard itself; every other rank runs
     ``serve_torchrun_rank``. Each message is broadcast from rank 0 and the replies gathered back
-    on gloo groups of their own (``_TorchrunGroups``), whatever the backend of the model's
+    on a gloo group of their own (``_TorchrunGroups``), whatever the backend of the model's
     all-reduces (NCCL on CUDA)."""
 
     def __init__(self, model: CausalLM, where: TorchrunRank, device: str, timeout_s: float) -> None:
@@ -398,14 +398,14 @@ class TorchrunExecutor(_RankedExecutor):
 
     def _exchange(self, method: str, args: tuple[Any, ...]) -> Iterator[tuple[int, Reply]]:
         try:
-            dist.broadcast_object_list([(method, args)], src=0, group=self.groups.orders)
-        except RuntimeError as e:  # a rank's connection closed: it is gone
-            self._fail(f"tensor-parallel ranks could not be sent {method}: {e}")
+            dist.broadcast_object_list([(method, args)], src=0, group=self.groups.control)
+        except RuntimeError as e:  # a rank's connection closed (it is gone), or it took nothing
+            self._fail(f"tensor-parallel ranks could not be sent {method} (gone or hung): {e}")
         mine = self.worker.answer(method, args)
         yield 0, mine  # a failure here (a peer gone inside an all-reduce) ends the run before the gather
         replies: list[Any] = [None] * self.tp
         try:
-            dist.gather_object(mine, replies, dst=0, group=self.groups.replies)
+            dist.gather_object(mine, replies, dst=0, group=self.groups.control)
         except RuntimeError as e:  # a rank died, or did not answer within the timeout
             self._fail(f"tensor-parallel ranks did not answer {method} within {self.timeout_s:g} s "
                        f"(gone or hung): {e}")
@@ -421,13 +421,12 @@ class TorchrunExecutor(_RankedExecutor):
 @dataclass(frozen=True)
 class _TorchrunGroups:
     """A torchrun rank's process groups: the default one for the model's all-reduces (gloo on
-    CPU, NCCL on CUDA), and two gloo groups for the driver's messages, on host memory whatever
-    the device. Rank 0's orders may be far apart (an idle server sends none), so the ranks wait
-    for them without a timeout that matters; the replies come within --tp-timeout, or rank 0
-    ends the run."""
+    CPU, NCCL on CUDA), and a gloo group for the driver's messages, on host memory whatever the
+    device. A group's timeout is each process's own: rank 0 waits for a message to be taken and
+    answered --tp-timeout at most, or ends the run; the other ranks wait for rank 0's next message
+    without a timeout that matters (an idle server sends none for hours)."""
 
-    orders: dist.ProcessGroup
-    replies: dist.ProcessGroup
+    control: dist.ProcessGroup
     device: torch.device  # this rank's
 
     @staticmethod
@@ -439,13 +438,13 @@ class _TorchrunGroups:
             torch.cuda.set_device(here)
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-        orders = dist.new_group(backend="gloo", timeout=timedelta(days=365))
-        return _TorchrunGroups(orders, dist.new_group(backend="gloo", timeout=timeout), here)
+        waits = timeout if where.rank == 0 else timedelta(days=365)
+        return _TorchrunGroups(dist.new_group(backend="gloo", timeout=waits), here)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to leave, then leave the process group."""
         try:
-            dist.broadcast_object_list([("close", ())], src=0, group=self.orders)
+            dist.broadcast_object_list([("close", ())], src=0, group=self.control)
         finally:
             dist.destroy_process_group()
 
@@ -459,11 +458,11 @@ def serve_torchrun_rank(model: CausalLM, where: TorchrunRank, device: str, timeo
         worker = _shard_worker(model, where.rank, where.world_size, groups.device)
         while True:
             order: list[Any] = [None]
-            dist.broadcast_object_list(order, src=0, group=groups.orders)
+            dist.broadcast_object_list(order, src=0, group=groups.control)
             method, args = order[0]
             if method == "close":
                 return
-            dist.gather_object(worker.answer(method, args), None, dst=0, group=groups.replies)
+            dist.gather_object(worker.answer(method, args), None, dst=0, group=groups.control)
     finally:
         dist.destroy_process_group()
 
