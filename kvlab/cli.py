@@ -551,6 +551,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a tensor-parallel rank died or hung: the reason, not a traceback
+        from kvlab.engine.executor import WorkerError
+
+        if not isinstance(e, WorkerError):
+            raise
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
