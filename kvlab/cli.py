@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvlab.dtypes import MODEL_DTYPE_HELP
-from kvlab.engine.options import byte_size, check_torchrun_tp, positive_int
+from kvlab.engine.options import byte_size, check_torchrun_tp, positive_int, torchrun_rank
 
 if TYPE_CHECKING:
     from kvlab.plan.engines.llamacpp import LlamaCppSettings
@@ -290,8 +290,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.dtype_why = loaded.dtype.why
     add_compute_bound(result, model)
     if options.tp > 1:
-        result.notes.append(f"--tp {options.tp}: the bounds are one device's, with the whole model; "
-                            f"the {options.tp} ranks here share this machine's cores and memory")
+        ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None
+                 else f"the {options.tp} ranks here share this machine's cores and memory")
+        result.notes.append(f"--tp {options.tp}: the bounds are one device's, with the whole model; {ranks}")
     if result.decode_tokens_per_s is not None:
         result.bound_tokens_per_s = bandwidth_bound(model, args.input_len[1] + args.output_len[1] // 2)
     if args.json:
