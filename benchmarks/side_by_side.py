@@ -35,12 +35,13 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from soak import free_port, wait_healthy  # benchmarks/ is this script's path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
@@ -101,12 +102,6 @@ def hf_folder(folder: Path) -> Path:
     return folder
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def llama_bench(binary: Path, gguf: Path, prompt: int, output: int, threads: int, out: Path) -> tuple[dict, str]:
     """llama-bench's prefill (pp), decode (tg) and prompt-then-decode (pg) tokens/s, 3 repeats."""
     cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(output), "-pg", f"{prompt},{output}",
@@ -147,20 +142,7 @@ def llama_server_mix(binary: Path, gguf: Path, requests: list[tuple[list[int], i
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            import httpx
-
-            deadline = time.monotonic() + 300
-            while True:  # /health answers 503 while the model loads
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited {proc.returncode}: see {out.with_suffix('.log')}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("llama-server did not start in 300 s")
-                time.sleep(0.5)
+            wait_healthy(proc, f"http://127.0.0.1:{port}", 300, out.with_suffix(".log"))
             tokens, seconds = asyncio.run(_send_all(f"http://127.0.0.1:{port}", requests))
         finally:
             proc.send_signal(signal.SIGINT)

@@ -205,6 +205,23 @@ class ServeProcess:
         return self.proc.returncode
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path) -> None:
+    """Wait until the server at ``url`` answers /health with 200 (it answers 503 or nothing while
+    its model loads); RuntimeError, with the end of its log, if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args[0]} did not start in {timeout_s:.0f} s: see {log}")
+        time.sleep(0.2)
+
+
 @contextmanager
 def serve_process(args: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 600) -> Iterator[ServeProcess]:
     """Run `kvlab serve ARGS --port P` until /health answers; stop it (SIGTERM) on the way out."""
@@ -217,18 +234,7 @@ def serve_process(args: list[str], env: dict[str, str] | None = None, start_time
                                 stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
     server = ServeProcess(proc, f"http://127.0.0.1:{port}", tmp, log)
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvlab serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvlab serve did not start in time")
-            time.sleep(0.2)
+        wait_healthy(proc, server.url, start_timeout_s, log)
         yield server
     finally:
         server.stop()
