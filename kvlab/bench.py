@@ -118,6 +118,7 @@ class BenchResult:
     hf_batch_size: int | None = None
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
     dtype_why: str = ""  # how the loader chose `dtype` (kvlab.models.loader.choose_dtype)
+    linear_kernel: str = ""  # what runs the linear layers (kvlab.kernels.describe)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -264,6 +264,7 @@ def _length_range(text: str) -> tuple[int, int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from kvlab import kernels
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.engine.options import EngineOptions
     from kvlab.models import load
@@ -288,6 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     result.dtype_why = loaded.dtype.why
+    result.linear_kernel = kernels.describe(model.dtype, options.deterministic)
     add_compute_bound(result, model)
     if options.tp > 1:
         ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None

@@ -195,8 +195,11 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t = _table(f"kvlab bench: {r.model}, {r.num_requests} requests, {r.output_tokens:,} output tokens "
                f"in {r.seconds:,.1f} s")
     t.add_row("model dtype", r.dtype, r.dtype_why)
+    if r.linear_kernel:
+        t.add_row("linear layers", "", r.linear_kernel)
     if r.deterministic:
-        t.add_row("mode", "deterministic", "batch-invariant kernels: padded matmul rows, fixed attention splits")
+        t.add_row("mode", "deterministic", "batch-invariant kernels: rows that never depend on the batch "
+                  "(native, or padded to a stable block), fixed attention splits")
     t.add_row("output tokens/s", f"{r.output_tokens_per_s:,.1f}", "")
     if r.hf_output_tokens_per_s:
         t.add_row(f"transformers (static batches of {r.hf_batch_size})", f"{r.hf_output_tokens_per_s:,.1f}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import weakref
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvlab import kernels
 from kvlab.models.attention import AttentionBackend
 from kvlab.models.invariant import check_linears, pad_rows
 from kvlab.spec import LayerSpec, ModelSpec
@@ -176,13 +178,16 @@ def _use(packed: PackedWeights | None, x: Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once ``prepack()``-ed, runs inference from packed weights (see
-    ``PackedWeights``); otherwise, or when they are stale, plain ``F.linear``. With ``row_block``
-    > 1 (deterministic mode), the rows are padded with zero rows to a multiple of it, so that
-    every row goes through the same GEMM kernel whatever the batch (``kvlab.models.invariant``)."""
+    """nn.Linear that runs inference, in order of preference: by kvlab's native kernel (fp32,
+    up to ``native_rows`` rows: ``kvlab.kernels``), from packed weights once ``prepack()``-ed
+    (bf16, see ``PackedWeights``), or by plain ``F.linear``. With ``row_block`` > 1
+    (deterministic mode without the native kernel), the rows are padded with zero rows to a
+    multiple of it, so that every row goes through the same GEMM kernel whatever the batch
+    (``kvlab.models.invariant``)."""
 
     _packed: PackedWeights | None = None
     row_block: int = 1
+    native_rows: int = kernels.MAX_ROWS
 
     def prepack(self) -> int:
         """Pack the weight if that applies here; returns the bytes the packed copy takes."""
@@ -194,6 +199,8 @@ class Linear(nn.Linear):
         self._packed = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] <= self.native_rows and kernels.usable(x, self.weight, self.bias):
+            return kernels.linear(x, self.weight, self.bias)
         if x.shape[0] % self.row_block:
             return F.linear(pad_rows(x, self.row_block), self.weight, self.bias)[:x.shape[0]]
         if _use(self._packed, x):
@@ -403,21 +410,28 @@ class CausalLM(nn.Module):
             layer.mlp.unpack()
 
     def set_batch_invariant(self, on: bool) -> None:
-        """Deterministic mode on: every linear layer pads its rows to a multiple of the block the
-        probe found stable on this backend (``check_linears``; raises BatchInvariantError, one
-        line, where there is none), packed copies are dropped, and ``invariant_rows`` tells the
-        attention backend that block. Off: plain kernels again."""
+        """Deterministic mode on: packed copies are dropped and the probe (``check_linears``;
+        BatchInvariantError, one line, where it finds nothing stable) finds the row block that
+        makes PyTorch's GEMM rows stable; ``invariant_rows`` tells the attention backend that
+        block. Linear layers then run every row count on the native kernel, which needs no
+        padding (probed again to prove it), or, where it cannot run, pad their rows to the
+        block. Off: the default kernels again."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:  # probe the plain kernels (a second call must not probe padded ones)
-            m.row_block = 1
+            m.row_block, m.native_rows = 1, 0
         self.invariant_rows = None
         if not on:
+            for m in linears:
+                m.native_rows = kernels.MAX_ROWS
             return
         self.unpack()
         rows = check_linears(linears, self.dtype, self.device)
-        for m in linears:
-            m.row_block = rows
         self.invariant_rows = rows
+        for m in linears:
+            m.native_rows = sys.maxsize
+        native_rows = check_linears(linears, self.dtype, self.device)
+        for m in linears:
+            m.row_block = native_rows
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:

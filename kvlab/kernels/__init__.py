@@ -1,0 +1,124 @@
+"""kvlab's native CPU kernels: C compiled on first use (``make setup`` builds it ahead), loaded
+with ctypes, and PyTorch's own ops wherever they cannot run.
+
+One kernel so far, ``linear`` (``linear.c``): fp32 linear layers for the few rows of a decode
+step, which MKL's sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs. Its results
+do not depend on the batch, so deterministic mode needs no padded rows with it.
+
+It needs an x86 CPU with AVX2 and FMA and a C compiler with OpenMP (``$CC``, ``cc`` or
+``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
+``KVLAB_KERNELS=off`` turns it off (to compare, or to rule it out). ``python -m kvlab.kernels``
+builds it and says which path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kvlab.hardware import CACHE_DIR
+
+SOURCE = Path(__file__).with_name("linear.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
+# blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
+MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Status:
+    available: bool
+    detail: str  # the library's path, or why PyTorch's matmul runs instead
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, Status]:
+    if os.environ.get("KVLAB_KERNELS", "on").lower() in ("off", "0", "no"):
+        return None, Status(False, "off (KVLAB_KERNELS=off)")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, Status(False, f"no kernel for {platform.machine()} (x86 AVX2 only)")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, Status(False, "this CPU lacks AVX2/FMA")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, Status(False, "no C compiler (set CC, or install gcc)")
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    path = CACHE_DIR / f"linear-{digest}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # build beside the target, then rename: processes building at once never see half a file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+                               text=True)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as e:
+        first = (e.stderr or "").strip().splitlines()[:1]
+        return None, Status(False, f"{cc} failed: {first[0] if first else e}")
+    except OSError as e:
+        return None, Status(False, f"cannot build or load {path}: {e}")
+    p, n = ctypes.c_void_p, ctypes.c_long
+    lib.kvlab_linear_f32.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
+    lib.kvlab_linear_f32.restype = None
+    return lib, Status(True, str(path))
+
+
+def status() -> Status:
+    """Whether the native linear kernel runs here (building it if needed), and why not."""
+    return _load()[1]
+
+
+def describe(dtype: torch.dtype, deterministic: bool = False) -> str:
+    """One line for reports: which kernel runs a model's linear layers in this dtype."""
+    if dtype != torch.float32:
+        return "PyTorch's matmul (the native kernel is fp32 only)"
+    s = status()
+    if not s.available:
+        return f"PyTorch's matmul: {s.detail}"
+    rows = "every row count" if deterministic else f"up to {MAX_ROWS} rows, MKL's sgemm above"
+    return f"kvlab's AVX2 kernel for {rows}"
+
+
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Can ``linear`` compute F.linear(x, weight, bias) here: fp32 on CPU, 2-D contiguous
+    operands, no autograd."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or not x.is_contiguous() or not weight.is_contiguous():
+        return False  # (a shape mismatch: F.linear's own error)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                             or bias.shape != weight.shape[:1]):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return _load()[0] is not None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias) by the native kernel (check ``usable`` first): x [M, K],
+    weight [N, K] -> [M, N], on torch's thread count."""
+    lib = _load()[0]
+    assert lib is not None
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.kvlab_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                         y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y

@@ -1,0 +1,110 @@
+"""kvlab's native fp32 linear kernel (``kvlab.kernels``): F.linear's values, rows that never
+depend on the batch or the thread count, and PyTorch's matmul wherever it cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab import kernels
+from kvlab.models.llama import Linear
+
+
+def native():
+    s = kernels.status()
+    if not s.available:  # another CPU or no compiler: test_the_kernel_builds_here says why
+        pytest.skip(s.detail)
+
+
+def test_the_kernel_builds_here_or_says_why():
+    import platform
+    import shutil
+
+    s = kernels.status()
+    can = (platform.machine().lower() in ("x86_64", "amd64")
+           and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+           and (shutil.which("cc") or shutil.which("gcc")) is not None)
+    assert s.available == can, s.detail
+    assert s.detail
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 66])
+@pytest.mark.parametrize("n,k", [(1, 3), (5, 8), (13, 17), (64, 96), (9, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_values_are_f_linears(m, n, k, bias):
+    native()
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = kernels.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_a_row_is_bitwise_the_same_in_any_batch_at_any_place_on_any_thread_count():
+    native()
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(203, 576, generator=g), torch.randn(203, generator=g)
+    row = torch.randn(1, 576, generator=g)
+    alone = kernels.linear(row, w, b)[0]
+    for m in (2, 3, 4, 5, 8, 13, 40):
+        for pos in (0, m // 2, m - 1):
+            batch = torch.randn(m, 576, generator=g)
+            batch[pos] = row[0]
+            assert torch.equal(kernels.linear(batch, w, b)[pos], alone), (m, pos)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.linear(row, w, b)[0], alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_runs_the_kernel_up_to_native_rows_and_pytorch_above_or_with_autograd():
+    native()
+    torch.manual_seed(0)
+    layer = Linear(40, 24, bias=True)
+    layer.native_rows = 5
+    x = torch.randn(6, 40)
+    with torch.inference_mode():
+        assert torch.equal(layer(x[:5]), kernels.linear(x[:5], layer.weight, layer.bias))
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    xs = x[:2].clone().requires_grad_()
+    layer(xs).sum().backward()  # autograd: PyTorch's op, so gradients flow
+    assert xs.grad is not None and layer.weight.grad is not None
+    assert not kernels.usable(x[:, :39], layer.weight, None)  # shapes that do not match: F.linear's error
+    with pytest.raises(RuntimeError):
+        layer(x[:2, :39])
+
+
+def run_status(env: dict) -> str:
+    out = subprocess.run([sys.executable, "-m", "kvlab.kernels"], capture_output=True, text=True,
+                         env={**os.environ, **env}, check=True)
+    return out.stdout
+
+
+def test_off_or_a_failed_build_falls_back_to_pytorch_and_says_why(tmp_path):
+    assert "KVLAB_KERNELS=off" in run_status({"KVLAB_KERNELS": "off"})
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        said = run_status({"CC": "false", "XDG_CACHE_HOME": str(tmp_path)})  # a compiler that fails
+        assert "PyTorch's matmul: false failed" in said
+        assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("tmp*"))
+
+
+def test_deterministic_mode_runs_every_row_count_natively_with_no_padding():
+    from tests.test_deterministic import near_tie_model
+
+    for dtype, natively in (("fp32", kernels.status().available), ("bf16", False)):
+        model = near_tie_model(dtype)
+        model.set_batch_invariant(True)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        rows = {m.row_block for m in linears}
+        assert rows == ({1} if natively else {model.invariant_rows}), (dtype, rows)
+        model.set_batch_invariant(False)
+        assert {(m.row_block, m.native_rows) for m in linears} == {(1, kernels.MAX_ROWS)}
