@@ -8,7 +8,8 @@ reads, per sequence, only the slots it can see:
   prefix plus the chunk (a window mask on sliding layers);
 - decodes (one new token each): bucketed by context length (lengths within 3/4 of the bucket's
   longest share one padded SDPA), so the work follows the tokens actually cached, not the longest
-  sequence of the batch.
+  sequence of the batch. Where ``kvlab.kernels.decode_attention`` runs (fp32 queries, an fp32 or
+  bf16 cache, AVX2), each bucket is one call that reads the slots in place, with no gathered copy.
 - sequences whose eviction policy needs attention scores (h2o, snapkv): one explicit softmax
   pass each (``attend_scored``), which adds each key's attention mass to the sequence's scores.
 Blocks a sequence gave back (a window's past, evicted tokens) are skipped; the keys it still holds
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvlab import kernels
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.engine.sizing import LayerGroup, cdiv
@@ -65,6 +67,7 @@ class DecodeBucket:
     rows: Tensor  # [b] query rows, ascending
     key_slots: Tensor  # [b, L], padded with each row's last slot
     mask: Tensor | None  # [b, 1, 1, L] True = real key; None when no row is padded
+    lengths: Tensor  # [b] each row's real keys (the first of its key_slots)
     all_rows: bool = False  # rows are 0..T-1: the step's only work, no gather/scatter of rows
 
 
@@ -160,7 +163,7 @@ def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str,
             mask = mask.to(device)
         whole = all_rows and not out and not pending
         out.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device),
-                                slots.to(device), mask, whole))
+                                slots.to(device), mask, torch.tensor(lengths), whole))
     return out
 
 
@@ -178,8 +181,12 @@ class PagedAttention:
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step = self.steps[self.cache.group_of[layer_idx]]
         self.cache.write(layer_idx, k, v, step.slot_mapping)
+        plain = self.cache.plain(layer_idx)
+        native = plain is not None and kernels.attention_usable(q, *plain)
         if len(step.decodes) == 1 and step.decodes[0].all_rows:  # a decode-only step, one bucket
             b = step.decodes[0]
+            if native:
+                return kernels.decode_attention(q, *plain, b.key_slots, b.lengths)
             keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
             return _sdpa(q[:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)[:, :, 0]
         out = torch.empty_like(q)
@@ -189,6 +196,9 @@ class PagedAttention:
                       is_causal=p.causal)
             out[p.rows] = o[0].transpose(0, 1)
         for b in step.decodes:
+            if native:
+                out[b.rows] = kernels.decode_attention(q[b.rows], *plain, b.key_slots, b.lengths)
+                continue
             keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
             o = _sdpa(q[b.rows][:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)
             out[b.rows] = o[:, :, 0]

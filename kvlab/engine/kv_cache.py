@@ -131,6 +131,14 @@ class PagedKVCache:
             else:
                 flat.index_copy_(1, slots, x.to(self.storage).transpose(0, 1))
 
+    def plain(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """This layer's K and V block tensors [kv_heads, blocks, block_size, D] where their values
+        are stored as they are (no scales: not fp8 or int8), for kernels that read them in place."""
+        if self.format.name == "int8" or layer in self.scales:
+            return None
+        k, v = self.blocks[layer][:2]
+        return k, v
+
     def read(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """K and V at slots (any shape S) -> [kv_heads, *S, D] in `dtype`, dequantised."""
         tensors = self.blocks[layer]

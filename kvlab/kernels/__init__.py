@@ -1,9 +1,11 @@
 """kvlab's native CPU kernels: C compiled on first use (``make setup`` builds it ahead), loaded
 with ctypes, and PyTorch's own ops wherever they cannot run.
 
-One kernel so far, ``linear`` (``linear.c``): fp32 linear layers for the few rows of a decode
-step, which MKL's sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs. Its results
-do not depend on the batch, so deterministic mode needs no padded rows with it.
+- ``linear`` (``linear.c``): fp32 linear layers for the few rows of a decode step, which MKL's
+  sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs. Its results do not depend on
+  the batch, so deterministic mode needs no padded rows with it.
+- ``decode_attention`` (``attention.c``): one query token per sequence against its keys and
+  values read in place in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA.
 
 It needs an x86 CPU with AVX2 and FMA and a C compiler with OpenMP (``$CC``, ``cc`` or
 ``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -29,7 +32,7 @@ from torch import Tensor
 
 from kvlab.hardware import CACHE_DIR
 
-SOURCE = Path(__file__).with_name("linear.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c")]
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
@@ -53,8 +56,8 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, Status(False, "no C compiler (set CC, or install gcc)")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
-    path = CACHE_DIR / f"linear-{digest}.so"
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(FLAGS).encode())
+    path = CACHE_DIR / f"kernels-{digest.hexdigest()[:12]}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,8 +65,8 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
             try:
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
-                               text=True)
+                subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True,
+                               capture_output=True, text=True)
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
@@ -77,6 +80,9 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.kvlab_linear_f32.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
     lib.kvlab_linear_f32.restype = None
+    lib.kvlab_decode_attention.argtypes = [p, p, p, ctypes.c_int, n, p, p, n, p, n, n, n, n, n,
+                                           ctypes.c_float, ctypes.c_int]
+    lib.kvlab_decode_attention.restype = ctypes.c_int
     return lib, Status(True, str(path))
 
 
@@ -122,3 +128,40 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     lib.kvlab_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                          y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
+
+
+def attention_usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Can ``decode_attention`` run: q [B, H, D] fp32 on CPU, caches [KV, blocks, block_size, D]
+    in fp32 or bf16, head sizes multiples of 32, at most 64 query heads per KV head."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3:
+        return False
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        return False
+    if k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    h, d, kv = q.shape[1], q.shape[2], k_cache.shape[0]
+    if k_cache.shape[-1] != d or d % 32 or v_cache.shape[-1] % 32 or h % kv or h // kv > 64:
+        return False
+    return _load()[0] is not None
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                     lengths: Tensor) -> Tensor:
+    """Softmax(q K^T / sqrt(D)) V per row over the cache (check ``attention_usable`` first):
+    q [B, H, D]; row b's keys at ``slots[b, :lengths[b]]`` (slots of the block tensors'
+    flattened [blocks x block_size] axis, in position order; lengths >= 1) -> [B, H, DV]."""
+    lib = _load()[0]
+    assert lib is not None
+    b, h, d = q.shape
+    kv, dv = k_cache.shape[0], v_cache.shape[-1]
+    q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    out = torch.empty(b, h, dv, dtype=torch.float32)
+    failed = lib.kvlab_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        k_cache.shape[1] * k_cache.shape[2], slots.data_ptr(), lengths.data_ptr(), slots.shape[1],
+        out.data_ptr(), b, h, kv, d, dv, 1.0 / math.sqrt(d), torch.get_num_threads())
+    if failed:
+        raise MemoryError("decode attention: out of memory for the scores")
+    return out
