@@ -53,7 +53,7 @@ def test_a_row_is_bitwise_the_same_in_any_batch_at_any_place_on_any_thread_count
     w, b = torch.randn(203, 576, generator=g), torch.randn(203, generator=g)
     row = torch.randn(1, 576, generator=g)
     alone = kernels.linear(row, w, b)[0]
-    for m in (2, 3, 4, 5, 8, 13, 40):
+    for m in (2, 3, 4, 5, 8, 13, 40, 100):  # 100: several blocks of input rows
         for pos in (0, m // 2, m - 1):
             batch = torch.randn(m, 576, generator=g)
             batch[pos] = row[0]

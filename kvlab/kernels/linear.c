@@ -16,6 +16,7 @@
 
 #define NB_MAX 8 /* output rows (weight rows) per tile: 8 for one input row, else 4 */
 #define MB 3     /* input rows per tile: MB * 4 accumulators + 4 weights + 1 input in 16 registers */
+#define MBLOCK 48 /* input rows per pass over the weights (a multiple of MB) */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -56,16 +57,20 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
 void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
                       long K, int threads) {
     const int nb = M == 1 ? 8 : 4; /* one row: more weight rows in flight per pass over x */
-    long tiles = (N + nb - 1) / nb;
+    const long tiles = (N + nb - 1) / nb;
+    /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
+    for (long block = 0; block < M; block += MBLOCK) {
+        const long end = M - block < MBLOCK ? M : block + MBLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long t = 0; t < tiles; t++) {
-        long n0 = t * nb, nn = N - n0 < nb ? N - n0 : nb, m0 = 0;
-        if (M == 1) {
-            tile(x, w, b, y, 0, 1, n0, 8, nn, N, K);
-            continue;
+        for (long t = 0; t < tiles; t++) {
+            long n0 = t * nb, nn = N - n0 < nb ? N - n0 : nb, m0 = block;
+            if (M == 1) {
+                tile(x, w, b, y, 0, 1, n0, 8, nn, N, K);
+                continue;
+            }
+            for (; m0 + MB <= end; m0 += MB) tile(x, w, b, y, m0, MB, n0, 4, nn, N, K);
+            if (end - m0 == 2) tile(x, w, b, y, m0, 2, n0, 4, nn, N, K);
+            else if (end - m0 == 1) tile(x, w, b, y, m0, 1, n0, 4, nn, N, K);
         }
-        for (; m0 + MB <= M; m0 += MB) tile(x, w, b, y, m0, MB, n0, 4, nn, N, K);
-        if (M - m0 == 2) tile(x, w, b, y, m0, 2, n0, 4, nn, N, K);
-        else if (M - m0 == 1) tile(x, w, b, y, m0, 1, n0, 4, nn, N, K);
     }
 }
