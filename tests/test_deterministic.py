@@ -23,7 +23,8 @@ from tests.test_engine_parity import tiny_config
 def near_tie_model(dtype: str = "fp32"):
     """Small init (std 0.02): logits close together, so any change of reduction order shows in
     the logprobs (the test would catch a kernel that is not batch-invariant)."""
-    model = build_model(spec_from_config(tiny_config(hidden_size=64, intermediate_size=128), "tiny"),
+    # head_dim 32: fp32 runs the native kernels, bf16 the split path (kvlab.engine.attention)
+    model = build_model(spec_from_config(tiny_config(hidden_size=128, intermediate_size=128), "tiny"),
                         dtype, random_weights=True)
     init_random_(model, seed=0, std=0.02)
     return model

@@ -112,7 +112,7 @@ def test_deterministic_mode_runs_every_row_count_natively_with_no_padding():
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv,d", [(4, 4, 32), (9, 3, 64), (8, 2, 64), (4, 1, 96)])
-def test_decode_attention_is_sdpa_over_each_rows_slots(cache_dtype, heads, kv, d):
+def test_paged_attention_is_sdpa_over_each_rows_slots(cache_dtype, heads, kv, d):
     native()
     g = torch.Generator().manual_seed(heads * 100 + d)
     blocks, block_size = 40, 16
@@ -121,7 +121,7 @@ def test_decode_attention_is_sdpa_over_each_rows_slots(cache_dtype, heads, kv, d
     lengths = torch.tensor([1, 7, 8, 9, 200, 64])
     slots = torch.stack([torch.randperm(blocks * block_size, generator=g)[:200] for _ in lengths])
     q = torch.randn(len(lengths), heads, d, generator=g)
-    out = kernels.decode_attention(q, k_cache, v_cache, slots, lengths)
+    out = kernels.paged_attention(q, k_cache, v_cache, slots, lengths)
     for b, n in enumerate(lengths.tolist()):
         keys = k_cache.view(kv, -1, d)[:, slots[b, :n]].float()
         vals = v_cache.view(kv, -1, d)[:, slots[b, :n]].float()
@@ -130,7 +130,29 @@ def test_decode_attention_is_sdpa_over_each_rows_slots(cache_dtype, heads, kv, d
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
 
 
-def test_decode_attention_refuses_what_it_cannot_read():
+def test_paged_attention_rows_of_a_prompt_see_their_own_window():
+    """Prompt rows: each query reads a run of its sequence's slots (causal, a window of 5), the
+    same as SDPA with the window's mask, and the same bits as that query decoded alone."""
+    native()
+    g = torch.Generator().manual_seed(1)
+    kv, heads, d, n, window = 2, 4, 32, 12, 5
+    k_cache = torch.randn(kv, 4, 16, d, generator=g)
+    v_cache = torch.randn(kv, 4, 16, d, generator=g)
+    slots = torch.randperm(64, generator=g)[:n][None]
+    q = torch.randn(n, heads, d, generator=g)
+    pos = torch.arange(n)
+    starts, ends = (pos - window + 1).clamp(min=0), pos + 1
+    out = kernels.paged_attention(q, k_cache, v_cache, slots, ends - starts, starts, torch.zeros(n, dtype=torch.long))
+    keys, vals = k_cache.view(kv, -1, d)[:, slots[0]], v_cache.view(kv, -1, d)[:, slots[0]]
+    mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], vals[None], mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    last = kernels.paged_attention(q[-1:], k_cache, v_cache, slots[:, starts[-1]:], (ends - starts)[-1:])
+    assert torch.equal(last[0], out[-1])
+
+
+def test_paged_attention_refuses_what_it_cannot_read():
     q = torch.randn(2, 4, 32)
     cache = torch.zeros(2, 3, 16, 32)
     assert not kernels.attention_usable(q, cache.half(), cache.half())  # fp16: PyTorch's path

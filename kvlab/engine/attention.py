@@ -8,7 +8,7 @@ reads, per sequence, only the slots it can see:
   prefix plus the chunk (a window mask on sliding layers);
 - decodes (one new token each): bucketed by context length (lengths within 3/4 of the bucket's
   longest share one padded SDPA), so the work follows the tokens actually cached, not the longest
-  sequence of the batch. Where ``kvlab.kernels.decode_attention`` runs (fp32 queries, an fp32 or
+  sequence of the batch. Where ``kvlab.kernels.paged_attention`` runs (fp32 queries, an fp32 or
   bf16 cache, AVX2), each bucket is one call that reads the slots in place, with no gathered copy.
 - sequences whose eviction policy needs attention scores (h2o, snapkv): one explicit softmax
   pass each (``attend_scored``), which adds each key's attention mass to the sequence's scores.
@@ -16,10 +16,13 @@ Blocks a sequence gave back (a window's past, evicted tokens) are skipped; the k
 keep their positions, so masks are built from positions, not from slot order.
 A GPU kernel (FlashAttention's varlen / paged KV) would replace ``attend`` and reuse the metadata.
 
-``InvariantAttention`` is the deterministic mode's backend: the same cache and metadata, but
-each sequence's keys laid out by absolute position in fixed splits (``split_layout``) and every
-query computed by ``kvlab.models.invariant.split_attention``, so a token's output does not depend
-on the batch, the chunking, or the decode padding.
+``InvariantAttention`` is the deterministic mode's backend: the same cache, but every query
+computed so that a token's output does not depend on the batch, the chunking, or the decode
+padding: by ``kvlab.kernels.paged_attention`` where it runs (each query row on its own, prompt
+tokens and decodes alike: ``RowLayout``), otherwise with each sequence's keys laid out by
+absolute position in fixed splits (``split_layout``) through
+``kvlab.models.invariant.split_attention``. Sequences whose policy needs attention scores always
+take the split path, which returns them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import kernels
@@ -186,7 +190,7 @@ class PagedAttention:
         if len(step.decodes) == 1 and step.decodes[0].all_rows:  # a decode-only step, one bucket
             b = step.decodes[0]
             if native:
-                return kernels.decode_attention(q, *plain, b.key_slots, b.lengths)
+                return kernels.paged_attention(q, *plain, b.key_slots, b.lengths)
             keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
             return _sdpa(q[:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)[:, :, 0]
         out = torch.empty_like(q)
@@ -197,7 +201,7 @@ class PagedAttention:
             out[p.rows] = o[0].transpose(0, 1)
         for b in step.decodes:
             if native:
-                out[b.rows] = kernels.decode_attention(q[b.rows], *plain, b.key_slots, b.lengths)
+                out[b.rows] = kernels.paged_attention(q[b.rows], *plain, b.key_slots, b.lengths)
                 continue
             keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
             o = _sdpa(q[b.rows][:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)
@@ -240,11 +244,34 @@ def split_layout(table: list[int], lo: int, end: int, block_size: int) -> tuple[
     return slots[held], positions[held], valid[held]
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """Deterministic mode's native path: query rows[i] reads the keys at
+    ``slots[seqs[i], starts[i]:starts[i] + lengths[i]]`` (``kvlab.kernels.paged_attention``)."""
+
+    rows: Tensor  # [R] query rows in the flat batch
+    slots: Tensor  # [NS, L] each sequence's kept keys in position order, padded with slot 0
+    seqs: Tensor  # [R]
+    starts: Tensor  # [R]
+    lengths: Tensor  # [R]
+
+
+def row_layout(spans: list[tuple[Tensor, Tensor, Tensor, Tensor]]) -> RowLayout:
+    """(rows, slots, first visible key, visible keys) per sequence -> one layout."""
+    longest = max(len(s[1]) for s in spans)
+    return RowLayout(torch.cat([s[0] for s in spans]),
+                     torch.stack([F.pad(s[1], (0, longest - len(s[1]))) for s in spans]),
+                     torch.cat([torch.full_like(s[0], i) for i, s in enumerate(spans)]),
+                     torch.cat([s[2] for s in spans]), torch.cat([s[3] for s in spans]))
+
+
 def build_split_spans(spans: list[SeqSpan], group_idx: int, group: LayerGroup, block_size: int,
-                      device: torch.device | str) -> tuple[Tensor, list[SplitSpan]]:
-    """The slot mapping and split spans of one group for this step (deterministic mode)."""
+                      device: torch.device | str, native: bool = False
+                      ) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
+    """The slot mapping, split spans and (``native``: for the sequences that need no scores) the
+    row layout of one group for this step (deterministic mode)."""
     window = group.window
-    mapping, out, decodes = [], [], []
+    mapping, out, decodes, rowwise = [], [], [], []
     row = 0
     for span in spans:
         start, n = span.start, span.num_tokens
@@ -252,6 +279,17 @@ def build_split_spans(spans: list[SeqSpan], group_idx: int, group: LayerGroup, b
         table = span.block_tables[group_idx]
         mapping.append(token_slots(table, start, end, block_size)[0])
         lo = 0 if window is None else max(0, start - window + 1)
+        if native and span.scores is None:
+            # every query sees a run of the kept keys: from the window's first to its own position
+            slots, kept = token_slots(table, lo, end, block_size)
+            k_pos = kept if kept is not None else torch.arange(lo, end)
+            q_pos = torch.arange(start, end)
+            first = (torch.zeros(n, dtype=torch.long) if window is None
+                     else torch.searchsorted(k_pos, q_pos - window + 1))
+            last = torch.searchsorted(k_pos, q_pos, right=True)
+            rowwise.append((torch.arange(row, row + n), slots, first, last - first))
+            row += n
+            continue
         slots, k_pos, valid = split_layout(table, lo, end, block_size)
         q_pos = torch.arange(start, end)
         allowed = _mask(q_pos, k_pos, window) & valid[None, :]
@@ -276,26 +314,39 @@ def build_split_spans(spans: list[SeqSpan], group_idx: int, group: LayerGroup, b
                              torch.stack([pad(d[1], 0) for d in decodes]).to(device),
                              torch.stack([pad(d[2], 0) for d in decodes]).to(device),
                              torch.stack([pad(d[3], False) for d in decodes]).to(device)))
-    return torch.cat(mapping).to(device), out
+    return torch.cat(mapping).to(device), out, row_layout(rowwise) if rowwise else None
 
 
 class InvariantAttention(PagedAttention):
-    """The paged backend of deterministic mode: every query through ``split_attention``, with
-    matmul rows in whole ``row_block``s (the block the linear layers' probe found stable)."""
+    """The paged backend of deterministic mode: every query through the native kernel (one row
+    at a time) where it reads this cache, otherwise through ``split_attention``, with matmul rows
+    in whole ``row_block``s (the block the linear layers' probe found stable)."""
 
     def __init__(self, cache: PagedKVCache, row_block: int) -> None:
         super().__init__(cache)
         self.row_block = row_block
-        self.split_steps: list[tuple[Tensor, list[SplitSpan]]] = []
+        self.spans: list[SeqSpan] = []
+        self.device: torch.device | str = "cpu"
+        self.split_steps: dict[int, tuple[Tensor, list[SplitSpan], RowLayout | None]] = {}
 
     def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
-        self.split_steps = [build_split_spans(spans, gi, g, self.cache.block_size, device)
-                            for gi, g in enumerate(self.cache.groups)]
+        # laid out per group at its first layer, when the queries' dtype says which path runs
+        self.spans, self.device, self.split_steps = spans, device, {}
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        mapping, spans = self.split_steps[self.cache.group_of[layer_idx]]
+        gi = self.cache.group_of[layer_idx]
+        plain = self.cache.plain(layer_idx)
+        native = plain is not None and kernels.attention_usable(q, *plain)
+        if gi not in self.split_steps:
+            self.split_steps[gi] = build_split_spans(self.spans, gi, self.cache.groups[gi],
+                                                     self.cache.block_size, self.device, native)
+        mapping, spans, rowwise = self.split_steps[gi]
         self.cache.write(layer_idx, k, v, mapping)
         out = torch.empty_like(q)
+        if rowwise is not None:
+            assert plain is not None
+            out[rowwise.rows] = kernels.paged_attention(q[rowwise.rows], *plain, rowwise.slots,
+                                                        rowwise.lengths, rowwise.starts, rowwise.seqs)
         for s in spans:
             keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, B, L, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)

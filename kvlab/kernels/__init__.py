@@ -4,8 +4,9 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
 - ``linear`` (``linear.c``): fp32 linear layers for the few rows of a decode step, which MKL's
   sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs. Its results do not depend on
   the batch, so deterministic mode needs no padded rows with it.
-- ``decode_attention`` (``attention.c``): one query token per sequence against its keys and
-  values read in place in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA.
+- ``paged_attention`` (``attention.c``): query rows against their keys and values read in place
+  in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA. A row's result does not
+  depend on the other rows either.
 
 It needs an x86 CPU with AVX2 and FMA and a C compiler with OpenMP (``$CC``, ``cc`` or
 ``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
@@ -80,9 +81,9 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.kvlab_linear_f32.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
     lib.kvlab_linear_f32.restype = None
-    lib.kvlab_decode_attention.argtypes = [p, p, p, ctypes.c_int, n, p, p, n, p, n, n, n, n, n,
-                                           ctypes.c_float, ctypes.c_int]
-    lib.kvlab_decode_attention.restype = ctypes.c_int
+    lib.kvlab_paged_attention.argtypes = [p, p, p, ctypes.c_int, n, p, n, p, p, p, p, n, n, n, n, n,
+                                          ctypes.c_float, ctypes.c_int]
+    lib.kvlab_paged_attention.restype = ctypes.c_int
     return lib, Status(True, str(path))
 
 
@@ -131,7 +132,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def attention_usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Can ``decode_attention`` run: q [B, H, D] fp32 on CPU, caches [KV, blocks, block_size, D]
+    """Can ``paged_attention`` run: q [R, H, D] fp32 on CPU, caches [KV, blocks, block_size, D]
     in fp32 or bf16, head sizes multiples of 32, at most 64 query heads per KV head."""
     if q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3:
         return False
@@ -145,23 +146,27 @@ def attention_usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     return _load()[0] is not None
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                     lengths: Tensor) -> Tensor:
-    """Softmax(q K^T / sqrt(D)) V per row over the cache (check ``attention_usable`` first):
-    q [B, H, D]; row b's keys at ``slots[b, :lengths[b]]`` (slots of the block tensors'
-    flattened [blocks x block_size] axis, in position order; lengths >= 1) -> [B, H, DV]."""
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                    starts: Tensor | None = None, seqs: Tensor | None = None) -> Tensor:
+    """Softmax(q K^T / sqrt(D)) V per query row over the cache (check ``attention_usable``
+    first). q [R, H, D]; slots [NS, L]: slots of the block tensors' flattened [blocks x
+    block_size] axis, a sequence's keys in position order per row; row r reads
+    ``slots[seqs[r], starts[r]:starts[r] + lengths[r]]`` (lengths >= 1; by default seqs[r] = r
+    and starts 0: one decode per row of slots) -> [R, H, DV]."""
     lib = _load()[0]
     assert lib is not None
-    b, h, d = q.shape
+    r, h, d = q.shape
     kv, dv = k_cache.shape[0], v_cache.shape[-1]
-    q = q.contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    lengths = lengths.to(torch.int64).contiguous()
-    out = torch.empty(b, h, dv, dtype=torch.float32)
-    failed = lib.kvlab_decode_attention(
+    seqs = torch.arange(r) if seqs is None else seqs
+    starts = torch.zeros(r, dtype=torch.int64) if starts is None else starts
+    q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
+    seqs, starts, lengths = (t.to(torch.int64).contiguous() for t in (seqs, starts, lengths))
+    out = torch.empty(r, h, dv, dtype=torch.float32)
+    failed = lib.kvlab_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-        k_cache.shape[1] * k_cache.shape[2], slots.data_ptr(), lengths.data_ptr(), slots.shape[1],
-        out.data_ptr(), b, h, kv, d, dv, 1.0 / math.sqrt(d), torch.get_num_threads())
+        k_cache.shape[1] * k_cache.shape[2], slots.data_ptr(), slots.shape[1], seqs.data_ptr(),
+        starts.data_ptr(), lengths.data_ptr(), out.data_ptr(), r, h, kv, d, dv, 1.0 / math.sqrt(d),
+        torch.get_num_threads())
     if failed:
-        raise MemoryError("decode attention: out of memory for the scores")
+        raise MemoryError("paged attention: out of memory for the scores")
     return out

@@ -1,17 +1,21 @@
-/* kvlab's paged decode attention for x86 CPUs with AVX2 and FMA: one new query token per
- * sequence, reading each key and value where it lies in the paged cache (no gathered copy).
+/* kvlab's paged attention for x86 CPUs with AVX2 and FMA: each query row against its keys and
+ * values read where they lie in the paged cache (no gathered copy).
  *
- * q [B, H, D] fp32; the cache's K [KV, S, D] and V [KV, S, DV] (S slots: blocks x block size), fp32
- * or bf16; slots [B, L] int64: row b's keys are slots[b, 0..lengths[b]-1], in position order;
- * out [B, H, DV] fp32. Head h reads KV head h / (H / KV). D and DV are multiples of 32.
+ * q [R, H, D] fp32; the cache's K [KV, S, D] and V [KV, S, DV] (S slots: blocks x block size),
+ * fp32 or bf16; slots [NS, L] int64, one row of slots per sequence in position order; query row r
+ * reads slots[seq[r], start[r] .. start[r] + len[r] - 1] (a decode: its whole row; a prompt
+ * token: the keys up to its own position, or its window); out [R, H, DV] fp32. Head h reads KV
+ * head h / (H / KV). D and DV are multiples of 32.
  *
  * Why: PyTorch's path gathers every cached K/V a step reads into a new tensor, per layer, then
  * runs SDPA over it; in a 16-request decode step that copy and the kernel took 38% of the
- * time. Here each (sequence, KV head) is one task that reads its keys once for the scores and
+ * time. Here each (query row, KV head) is one task that reads its keys once for the scores and
  * its values once for the output, for all the query heads sharing that KV head.
  *
  * Softmax in three passes over the row's scores (max, exp and sum, weighted values), all in
- * fp32; the exponential is Cephes' polynomial (relative error ~1e-7).
+ * fp32, in key order; the exponential is Cephes' polynomial (relative error ~1e-7). A row's
+ * result depends only on its query and its keys' values, never on the other rows, the batch or
+ * where the keys lie: deterministic mode runs prompts and decodes through it alike.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -57,16 +61,17 @@ static inline const void *row_at(const void *cache, long index, long width, int 
                 : (const void *)((const float *)cache + index * width);
 }
 
-int kvlab_decode_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
-                           const int64_t *slots, const int64_t *lengths, long L, float *out,
-                           long B, long H, long KV, long D, long DV, float scale, int threads) {
+int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
+                          const int64_t *slots, long L, const int64_t *seq, const int64_t *start,
+                          const int64_t *len, float *out, long R, long H, long KV, long D, long DV,
+                          float scale, int threads) {
     const long G = H / KV;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (long task = 0; task < B * KV; task++) {
-        const long b = task / KV, kvh = task % KV, n = lengths[b];
+    for (long task = 0; task < R * KV; task++) {
+        const long b = task / KV, kvh = task % KV, n = len[b];
         const long padded = (n + 7) / 8 * 8;
-        const int64_t *sl = slots + b * L;
+        const int64_t *sl = slots + seq[b] * L + start[b];
         float *p = malloc(sizeof(float) * G * padded);
         if (!p) { failed = 1; continue; }
         /* scores, and each head's max */
