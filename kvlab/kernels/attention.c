@@ -61,6 +61,42 @@ static inline const void *row_at(const void *cache, long index, long width, int 
                 : (const void *)((const float *)cache + index * width);
 }
 
+/* One query head's scores over n keys (stored at p) and their max. Each score is one chain of
+ * FMAs over d then hsum; 8 keys' chains run side by side so that the FMAs' latency overlaps
+ * (the chains, and so the bits, are those of one key at a time). */
+static inline __attribute__((always_inline)) float scores(const float *qg, const void *kc, long base,
+                                                          const int64_t *sl, long n, long D,
+                                                          float scale, float *p, const int bf16) {
+    float mx = -INFINITY;
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const void *kr[8];
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) {
+            kr[j] = row_at(kc, base + sl[i + j], D, bf16);
+            acc[j] = _mm256_setzero_ps();
+        }
+        for (long d = 0; d < D; d += 8) {
+            __m256 qv = _mm256_loadu_ps(qg + d);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(kr[j], d, bf16), acc[j]);
+        }
+        for (int j = 0; j < 8; j++) {
+            float s = hsum(acc[j]) * scale;
+            p[i + j] = s;
+            if (s > mx) mx = s;
+        }
+    }
+    for (; i < n; i++) {
+        const void *k = row_at(kc, base + sl[i], D, bf16);
+        __m256 acc = _mm256_setzero_ps();
+        for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k, d, bf16), acc);
+        float s = hsum(acc) * scale;
+        p[i] = s;
+        if (s > mx) mx = s;
+    }
+    return mx;
+}
+
 int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
                           const int64_t *slots, long L, const int64_t *seq, const int64_t *start,
                           const int64_t *len, float *out, long R, long H, long KV, long D, long DV,
@@ -76,17 +112,10 @@ int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf
         if (!p) { failed = 1; continue; }
         /* scores, and each head's max */
         float mx[64];
-        for (long g = 0; g < G; g++) mx[g] = -INFINITY;
-        for (long i = 0; i < n; i++) {
-            const void *k = row_at(kc, kvh * S + sl[i], D, bf16);
-            for (long g = 0; g < G; g++) {
-                const float *qg = q + (b * H + kvh * G + g) * D;
-                __m256 acc = _mm256_setzero_ps();
-                for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k, d, bf16), acc);
-                float s = hsum(acc) * scale;
-                p[g * padded + i] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
+        for (long g = 0; g < G; g++) {
+            const float *qg = q + (b * H + kvh * G + g) * D;
+            mx[g] = bf16 ? scores(qg, kc, kvh * S, sl, n, D, scale, p + g * padded, 1)
+                         : scores(qg, kc, kvh * S, sl, n, D, scale, p + g * padded, 0);
         }
         /* exp(score - max), padding lanes zeroed, and the sums */
         float sum[64];
