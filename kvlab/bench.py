@@ -78,7 +78,7 @@ def percentile(values: list[float], q: float) -> float:
 class BenchResult:
     model: str
     dtype: str  # the model's (fp32, bf16, fp16): 16-bit greedy outputs may differ from a peer's
-    deterministic: bool  # batch-invariant kernels (--deterministic): slower, answers independent of load
+    deterministic: bool  # batch-invariant kernels (--deterministic): answers independent of load
     num_requests: int
     output_tokens: int
     seconds: float
@@ -119,6 +119,7 @@ class BenchResult:
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
     dtype_why: str = ""  # how the loader chose `dtype` (kvlab.models.loader.choose_dtype)
     linear_kernel: str = ""  # what runs the linear layers (kvlab.kernels.describe)
+    deterministic_why: str = ""  # the flag, or auto's reason (kvlab.engine.engine.deterministic_is_free)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -256,7 +257,8 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     after = ttfts[1:]
     single = len(reqs) == 1 and tokens > 1
     result = BenchResult(
-        model=model.name, dtype=MODEL_KV_DTYPE[model.dtype], deterministic=options.deterministic,
+        model=model.name, dtype=MODEL_KV_DTYPE[model.dtype], deterministic=bool(engine.options.deterministic),
+        deterministic_why=engine.deterministic_why,
         num_requests=len(reqs), output_tokens=tokens,
         seconds=seconds,
         output_tokens_per_s=tokens / seconds, ttft_p50_s=percentile(ttfts, 50),

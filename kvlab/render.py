@@ -198,8 +198,11 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     if r.linear_kernel:
         t.add_row("linear layers", "", r.linear_kernel)
     if r.deterministic:
-        t.add_row("mode", "deterministic", "batch-invariant kernels: rows that never depend on the batch "
-                  "(native, or padded to a stable block), fixed attention splits")
+        t.add_row("mode", "deterministic", f"{r.deterministic_why}; batch-invariant kernels: a row's "
+                  "results never depend on the batch")
+    else:
+        t.add_row("mode", "fast kernels", f"{r.deterministic_why}; a batched request may differ from "
+                  "its solo run in the last bits")
     t.add_row("output tokens/s", f"{r.output_tokens_per_s:,.1f}", "")
     if r.hf_output_tokens_per_s:
         t.add_row(f"transformers (static batches of {r.hf_batch_size})", f"{r.hf_output_tokens_per_s:,.1f}",

@@ -147,7 +147,7 @@ def test_what_deterministic_mode_cannot_honour_is_a_one_line_error(models):
         LLM(model, deterministic=True, tp=2)
     LLM(model, deterministic=True)
     assert model.invariant_rows is not None
-    LLM(model)  # the same model back in the fast mode
+    LLM(model, deterministic=False)  # the same model back in the fast mode
     assert model.invariant_rows is None and all(
         m.row_block == 1 for m in model.modules() if isinstance(m, Linear))
 
@@ -167,3 +167,29 @@ def test_generate_deterministic_is_the_servers_answer_under_load(capsys):
     outs = llm.generate([prompt, "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man",
                          "Anne"], SamplingParams(temperature=0, max_tokens=4))
     assert cli["token_ids"] == outs[0].token_ids
+
+
+def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_free(models, monkeypatch):
+    from kvlab import kernels
+    from kvlab.engine.options import EngineOptions, add_engine_args
+
+    def mode(model, **opts):
+        engine = LLM(model, **opts).engine
+        return engine.options.deterministic, engine.deterministic_why
+
+    on, why = mode(models["fp32"])
+    assert on == kernels.status().available and why.startswith("auto: ")
+    assert mode(models["bf16"]) == (False, "auto: kvlab's native kernels take fp32 weights and an fp32 "
+                                           "or bf16 cache")
+    assert mode(models["fp32"], kv_dtype="fp8_e4m3")[0] is False
+    assert mode(models["fp32"], kv_policy="streaming", kv_budget=64)[0] is False
+    assert mode(models["fp32"], deterministic=False) == (False, "--no-deterministic")
+    assert mode(models["bf16"], deterministic=True) == (True, "--deterministic")
+    monkeypatch.setattr(kernels, "status", lambda: kernels.Status(False, "no C compiler"))
+    assert mode(models["fp32"]) == (False, "auto: kvlab's native kernels do not run here: no C compiler")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, want in (([], None), (["--deterministic"], True), (["--no-deterministic"], False)):
+        assert EngineOptions.from_args(parser.parse_args(argv)).deterministic is want

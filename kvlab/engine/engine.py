@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvlab import kernels
 from kvlab.eviction import EvictionPolicy
 from kvlab.data import PERSUASION
 from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
@@ -20,7 +21,7 @@ from kvlab.engine.executor import CacheConfig, Executor, make_executor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
-from kvlab.engine.sizing import KVCapacity, kv_cache_capacity, layer_groups, memory_budget
+from kvlab.engine.sizing import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.hardware import system_memory
 from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import weight_bytes
@@ -130,6 +131,31 @@ def calibration_ids(tokenizer: TextTokenizer | None, vocab_size: int) -> list[in
     return torch.randint(0, vocab_size, (CALIBRATION_TOKENS,), generator=gen).tolist()
 
 
+def deterministic_is_free(model: CausalLM, options: EngineOptions, kv_dtype: str,
+                          groups: list[LayerGroup], eviction: EvictionPolicy) -> tuple[bool, str]:
+    """``--deterministic``'s default: on where the batch-invariant path costs nothing measurable,
+    that is where kvlab's native kernels run every linear layer and every attention (fp32 on a CPU
+    with them, an fp32 or bf16 cache, head sizes they take: docs/benchmarks.md measures the two
+    modes level there). Elsewhere its padded rows and split attention cost a third to a half of
+    the speed, and eviction policies would chunk prompts on a grid. Returns (on, why)."""
+    if model.device.type != "cpu" or options.tp > 1:
+        return False, "its kernels run on one CPU process"
+    if eviction.active:
+        return False, f"--kv-policy {eviction.name} would cut prompts on a fixed grid"
+    if model.dtype != torch.float32 or kv_dtype not in ("fp32", "bf16"):
+        return False, "kvlab's native kernels take fp32 weights and an fp32 or bf16 cache"
+    if not kernels.status().available:
+        return False, f"kvlab's native kernels do not run here: {kernels.status().detail}"
+    storage = torch.float32 if kv_dtype == "fp32" else torch.bfloat16
+    for layer in (model.spec.layers[i] for g in groups for i in g.layers):
+        q = torch.empty(1, layer.num_heads, layer.head_dim)
+        k = torch.empty(layer.kv_heads, 1, 1, layer.head_dim, dtype=storage)
+        v = torch.empty(layer.kv_heads, 1, 1, layer.v_head_dim or layer.head_dim, dtype=storage)
+        if not kernels.attention_usable(q, k, v):
+            return False, "the native attention kernel does not take this model's head sizes"
+    return True, "kvlab's native kernels make it free here"
+
+
 class LLMEngine:
     """``device``: where tensor-parallel workers run (default: the model's device)."""
 
@@ -154,6 +180,12 @@ class LLMEngine:
             raise ValueError(f"--kv-policy {self.eviction.name} reads attention scores, which tensor-"
                              f"parallel ranks hold in pieces: use --tp 1 or --kv-policy window/streaming")
         self.eviction.check_unit(options.block_size)
+        if options.deterministic is None:
+            on, why = deterministic_is_free(model, options, kv_dtype, groups, self.eviction)
+            options = replace(options, deterministic=on)
+            self.options, self.deterministic_why = options, f"auto: {why}"
+        else:
+            self.deterministic_why = "--deterministic" if options.deterministic else "--no-deterministic"
         if options.deterministic:
             self._check_deterministic(options)
         model.set_batch_invariant(options.deterministic)
@@ -195,6 +227,8 @@ class LLMEngine:
         if options.tp > 1:
             log.info("tensor parallel: %d ranks, each with this cache (its share of the KV heads)",
                      options.tp)
+        log.info("deterministic mode: %s (%s)", "on" if options.deterministic else "off",
+                 self.deterministic_why)
 
     def _check_deterministic(self, options: EngineOptions) -> None:
         """Deterministic mode's one-line errors for what cannot honour it (the kernels' own

@@ -118,9 +118,11 @@ class EngineOptions:
     kv_budget: int | float | None = _opt(
         None, "tokens each sequence keeps under --kv-policy (256), or a ratio of its context (0.25)",
         type=_budget, metavar="N|RATIO")
-    deterministic: bool = _opt(
-        False, "batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever "
-        "runs beside it (CPU; at a fixed thread count)", flag="--deterministic", action="store_true")
+    deterministic: bool | None = _opt(
+        None, "batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever "
+        "runs beside it (CPU; at a fixed thread count). Default: on where it costs nothing (fp32 on "
+        "a CPU where kvlab's native kernels run, no eviction policy, --tp 1), else off",
+        flag="--deterministic", action=argparse.BooleanOptionalAction)
 
     tp: int = _opt(1, "tensor-parallel size: N worker processes on this machine, each with 1/N of "
                    "the heads, FFN and KV cache (torch.distributed: gloo on CPU, NCCL on CUDA)",
@@ -145,6 +147,8 @@ class EngineOptions:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         EvictionPolicy(self.kv_policy, self.kv_budget)  # raises a one-line ValueError
+        if self.deterministic not in (None, True, False):
+            raise ValueError(f"deterministic must be True, False or None (auto), got {self.deterministic!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption!r}")
