@@ -3,7 +3,9 @@ beside it (batch, chunk budget, preemption by recompute or swap, prefix-cache hi
 
 from __future__ import annotations
 
+import contextlib
 import json
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
+from kvlab import kernels
 from kvlab.engine.llm import LLM
 from kvlab.models.invariant import SPLIT, BatchInvariantError, check_linears, split_attention
 from kvlab.models.llama import Linear
@@ -23,7 +26,7 @@ from tests.test_engine_parity import tiny_config
 def near_tie_model(dtype: str = "fp32"):
     """Small init (std 0.02): logits close together, so any change of reduction order shows in
     the logprobs (the test would catch a kernel that is not batch-invariant)."""
-    # head_dim 32: fp32 runs the native kernels, bf16 the split path (kvlab.engine.attention)
+    # head_dim 32: the native kernels take it (the property test below also runs without them)
     model = build_model(spec_from_config(tiny_config(hidden_size=128, intermediate_size=128), "tiny"),
                         dtype, random_weights=True)
     init_random_(model, seed=0, std=0.02)
@@ -78,7 +81,7 @@ def test_split_attention_is_attention_and_ignores_what_else_is_in_the_batch():
         torch.testing.assert_close(alone[0, 0], ref[0, :, 0], rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_requests_match_their_solo_runs_bitwise(models, data):
     dtype = data.draw(st.sampled_from(["fp32", "bf16"]), "dtype")
@@ -96,14 +99,19 @@ def test_requests_match_their_solo_runs_bitwise(models, data):
     blocks = data.draw(st.integers(8, 14), "blocks")  # small: preemption, evicted prefixes
     preemption = data.draw(st.sampled_from(["recompute", "swap-ram"]), "preemption")
     per_block = 16 * model.spec.kv_bytes_per_token("fp32" if dtype == "fp32" else "bf16")
-
-    llm = LLM(model, deterministic=True, max_num_batched_tokens=budget, preemption=preemption,
-              kv_memory=blocks * per_block, max_model_len=128)
-    together = llm.generate([p for p, _ in requests], [s for _, s in requests])
-    solo = LLM(model, deterministic=True, kv_memory=16 * per_block, max_model_len=128,
-               prefix_caching=False)
-    for (prompt, params), out in zip(requests, together):
-        assert outcome(out) == outcome(solo.generate([prompt], params)[0])
+    # the native kernels, or PyTorch's with padded rows and split attention (where they cannot run)
+    native = data.draw(st.booleans(), "native kernels")
+    with contextlib.ExitStack() as stack:
+        if not native:
+            for name in ("usable", "attention_usable"):
+                stack.enter_context(mock.patch.object(kernels, name, lambda *a: False))
+        llm = LLM(model, deterministic=True, max_num_batched_tokens=budget, preemption=preemption,
+                  kv_memory=blocks * per_block, max_model_len=128)
+        together = llm.generate([p for p, _ in requests], [s for _, s in requests])
+        solo = LLM(model, deterministic=True, kv_memory=16 * per_block, max_model_len=128,
+                   prefix_caching=False)
+        for (prompt, params), out in zip(requests, together):
+            assert outcome(out) == outcome(solo.generate([prompt], params)[0])
 
 
 def test_prefix_hits_and_preemption_happen_in_such_runs(models):
@@ -179,8 +187,11 @@ def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_fr
 
     on, why = mode(models["fp32"])
     assert on == kernels.status().available and why.startswith("auto: ")
-    assert mode(models["bf16"]) == (False, "auto: kvlab's native kernels take fp32 weights and an fp32 "
-                                           "or bf16 cache")
+    from kvlab.models.llama import onednn_bf16_packing
+
+    assert mode(models["bf16"])[0] == (kernels.status().available and not onednn_bf16_packing())
+    assert mode(models["fp32"], kv_dtype="fp16") == (
+        False, "auto: kvlab's native kernels take fp32 or bf16 weights and an fp32 or bf16 cache")
     assert mode(models["fp32"], kv_dtype="fp8_e4m3")[0] is False
     assert mode(models["fp32"], kv_policy="streaming", kv_budget=64)[0] is False
     assert mode(models["fp32"], deterministic=False) == (False, "--no-deterministic")

@@ -47,6 +47,19 @@ def test_values_are_f_linears(m, n, k, bias):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 50])
+def test_bf16_is_the_fp32_sum_of_the_widened_values_rounded_once_as_pytorch_rounds(m):
+    native()
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 77, generator=g).bfloat16(), torch.randn(45, 77, generator=g).bfloat16()
+    b = torch.randn(45, generator=g).bfloat16()
+    got = kernels.linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, kernels.linear(x.float(), w.float(), b.float()).bfloat16())
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2 ** -7, atol=1e-2)
+    assert torch.equal(kernels.linear(x[-1:], w, b)[0], got[-1])  # rows alone = rows in a batch
+
+
 def test_a_row_is_bitwise_the_same_in_any_batch_at_any_place_on_any_thread_count():
     native()
     g = torch.Generator().manual_seed(0)
@@ -100,14 +113,15 @@ def test_off_or_a_failed_build_falls_back_to_pytorch_and_says_why(tmp_path):
 def test_deterministic_mode_runs_every_row_count_natively_with_no_padding():
     from tests.test_deterministic import near_tie_model
 
-    for dtype, natively in (("fp32", kernels.status().available), ("bf16", False)):
+    for dtype in ("fp32", "bf16"):
+        natively = kernels.status().available
         model = near_tie_model(dtype)
         model.set_batch_invariant(True)
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         rows = {m.row_block for m in linears}
         assert rows == ({1} if natively else {model.invariant_rows}), (dtype, rows)
         model.set_batch_invariant(False)
-        assert {(m.row_block, m.native_rows) for m in linears} == {(1, kernels.MAX_ROWS)}
+        assert {(m.row_block, m.native_rows) for m in linears} == {(1, None)}
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -158,6 +172,7 @@ def test_paged_attention_refuses_what_it_cannot_read():
     assert not kernels.attention_usable(q, cache.half(), cache.half())  # fp16: PyTorch's path
     assert not kernels.attention_usable(torch.randn(2, 4, 48), torch.zeros(2, 3, 16, 48), torch.zeros(2, 3, 16, 48))
     assert not kernels.attention_usable(q.double(), cache, cache)
+    assert kernels.attention_usable(q.bfloat16(), cache.bfloat16(), cache.bfloat16()) == kernels.status().available
     assert not kernels.attention_usable(torch.randn(2, 3, 32), cache, cache)  # 3 heads over 2 KV heads
     assert kernels.attention_usable(q, cache, cache) == kernels.status().available
 

@@ -22,7 +22,7 @@ from kvlab.models import (
     choose_dtype,
     load,
 )
-from kvlab.models.llama import _onednn_bf16_packing
+from kvlab.models.llama import onednn_bf16_packing
 from kvlab.sampling import SamplingParams
 from kvlab.spec import ConfigError, spec_from_config
 
@@ -191,7 +191,7 @@ def test_batched_cache_matches_single_sequences(tmp_path):
 
 def test_dtype_choice_and_default(tmp_path):
     folder = make_checkpoint(tmp_path)
-    fast_bf16 = _onednn_bf16_packing()  # this CPU: the default is bf16 only with its kernels
+    fast_bf16 = onednn_bf16_packing()  # this CPU: the default is bf16 only with its kernels
     assert load(folder).model.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert load(folder, "bf16").model.dtype == torch.bfloat16  # an explicit choice stands
     assert load(folder, "fp16").model.dtype == torch.float16
@@ -205,7 +205,7 @@ def test_auto_dtype_rule(tmp_path, monkeypatch):
     import kvlab.models.loader as loader
 
     for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(loader, "_onednn_bf16_packing", lambda fast=fast: fast)
+        monkeypatch.setattr(loader, "onednn_bf16_packing", lambda fast=fast: fast)
         cpu = choose_dtype("auto", "cpu")
         assert cpu.dtype == want and cpu.why.startswith("auto:") and cpu.name in str(cpu)
         assert ("no oneDNN bf16 kernels" in cpu.why) is not fast

@@ -1,9 +1,10 @@
 """kvlab's native CPU kernels: C compiled on first use (``make setup`` builds it ahead), loaded
 with ctypes, and PyTorch's own ops wherever they cannot run.
 
-- ``linear`` (``linear.c``): fp32 linear layers for the few rows of a decode step, which MKL's
-  sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs. Its results do not depend on
-  the batch, so deterministic mode needs no padded rows with it.
+- ``linear`` (``linear.c``): linear layers for the few rows of a decode step in fp32, which MKL's
+  sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs, and for any rows in bf16,
+  which PyTorch multiplies at ~1 GFLOP/s on CPUs without oneDNN's bf16 kernels. Its results do
+  not depend on the batch, so deterministic mode needs no padded rows with it.
 - ``paged_attention`` (``attention.c``): query rows against their keys and values read in place
   in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA. A row's result does not
   depend on the other rows either.
@@ -24,6 +25,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from torch import Tensor
 from kvlab.hardware import CACHE_DIR
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
@@ -57,7 +60,7 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, Status(False, "no C compiler (set CC, or install gcc)")
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(FLAGS).encode())
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(FLAGS).encode())
     path = CACHE_DIR / f"kernels-{digest.hexdigest()[:12]}.so"
     try:
         if not path.exists():
@@ -79,8 +82,9 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     except OSError as e:
         return None, Status(False, f"cannot build or load {path}: {e}")
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.kvlab_linear_f32.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
-    lib.kvlab_linear_f32.restype = None
+    for fn in (lib.kvlab_linear_f32, lib.kvlab_linear_bf16):
+        fn.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
+        fn.restype = None
     lib.kvlab_paged_attention.argtypes = [p, p, p, ctypes.c_int, n, p, n, p, p, p, p, n, n, n, n, n,
                                           ctypes.c_float, ctypes.c_int]
     lib.kvlab_paged_attention.restype = ctypes.c_int
@@ -92,25 +96,36 @@ def status() -> Status:
     return _load()[1]
 
 
-def describe(dtype: torch.dtype, deterministic: bool = False) -> str:
+def max_rows(dtype: torch.dtype, onednn_bf16: bool) -> int:
+    """Rows up to which the native kernel runs by default: fp32 up to ``MAX_ROWS``; bf16 always,
+    unless oneDNN has bf16 kernels here (its packed weights are then the measured path)."""
+    if dtype == torch.bfloat16 and not onednn_bf16:
+        return sys.maxsize
+    return MAX_ROWS
+
+
+def describe(dtype: torch.dtype, deterministic: bool, onednn_bf16: bool) -> str:
     """One line for reports: which kernel runs a model's linear layers in this dtype."""
-    if dtype != torch.float32:
-        return "PyTorch's matmul (the native kernel is fp32 only)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "PyTorch's matmul (the native kernel takes fp32 and bf16)"
     s = status()
     if not s.available:
         return f"PyTorch's matmul: {s.detail}"
-    rows = "every row count" if deterministic else f"up to {MAX_ROWS} rows, MKL's sgemm above"
-    return f"kvlab's AVX2 kernel for {rows}"
+    rows = sys.maxsize if deterministic else max_rows(dtype, onednn_bf16)
+    if rows == sys.maxsize:
+        return "kvlab's AVX2 kernel for every row count"
+    slow = "MKL's sgemm" if dtype == torch.float32 else "oneDNN's packed bf16 matmul"
+    return f"kvlab's AVX2 kernel for up to {rows} rows, {slow} above"
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Can ``linear`` compute F.linear(x, weight, bias) here: fp32 on CPU, 2-D contiguous
-    operands, no autograd."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+    """Can ``linear`` compute F.linear(x, weight, bias) here: all fp32 or all bf16 on CPU, 2-D
+    contiguous operands, no autograd."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.device.type != "cpu":
         return False
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or not x.is_contiguous() or not weight.is_contiguous():
         return False  # (a shape mismatch: F.linear's own error)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()
                              or bias.shape != weight.shape[:1]):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -120,21 +135,24 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear(x, weight, bias) by the native kernel (check ``usable`` first): x [M, K],
-    weight [N, K] -> [M, N], on torch's thread count."""
+    weight [N, K] -> [M, N] in x's dtype (bf16: summed in fp32, rounded once), on torch's
+    thread count."""
     lib = _load()[0]
     assert lib is not None
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    lib.kvlab_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                         y.data_ptr(), m, n, k, torch.get_num_threads())
+    y = torch.empty(m, n, dtype=x.dtype)
+    fn = lib.kvlab_linear_f32 if x.dtype == torch.float32 else lib.kvlab_linear_bf16
+    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n,
+       k, torch.get_num_threads())
     return y
 
 
 def attention_usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Can ``paged_attention`` run: q [R, H, D] fp32 on CPU, caches [KV, blocks, block_size, D]
-    in fp32 or bf16, head sizes multiples of 32, at most 64 query heads per KV head."""
-    if q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3:
+    """Can ``paged_attention`` run: q [R, H, D] fp32 or bf16 on CPU, caches [KV, blocks,
+    block_size, D] in fp32 or bf16, head sizes multiples of 32, at most 64 query heads per KV
+    head."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or q.device.type != "cpu" or q.dim() != 3:
         return False
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
         return False
@@ -152,14 +170,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     first). q [R, H, D]; slots [NS, L]: slots of the block tensors' flattened [blocks x
     block_size] axis, a sequence's keys in position order per row; row r reads
     ``slots[seqs[r], starts[r]:starts[r] + lengths[r]]`` (lengths >= 1; by default seqs[r] = r
-    and starts 0: one decode per row of slots) -> [R, H, DV]."""
+    and starts 0: one decode per row of slots) -> [R, H, DV] in q's dtype (computed in fp32)."""
     lib = _load()[0]
     assert lib is not None
     r, h, d = q.shape
     kv, dv = k_cache.shape[0], v_cache.shape[-1]
     seqs = torch.arange(r) if seqs is None else seqs
     starts = torch.zeros(r, dtype=torch.int64) if starts is None else starts
-    q, slots = q.contiguous(), slots.to(torch.int64).contiguous()
+    dtype, q, slots = q.dtype, q.float().contiguous(), slots.to(torch.int64).contiguous()
     seqs, starts, lengths = (t.to(torch.int64).contiguous() for t in (seqs, starts, lengths))
     out = torch.empty(r, h, dv, dtype=torch.float32)
     failed = lib.kvlab_paged_attention(
@@ -169,4 +187,4 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
         torch.get_num_threads())
     if failed:
         raise MemoryError("paged attention: out of memory for the scores")
-    return out
+    return out.to(dtype)

@@ -3,5 +3,7 @@
 import torch
 
 from kvlab.kernels import describe
+from kvlab.models.llama import onednn_bf16_packing
 
-print(f"kvlab kernels: fp32 linear layers run on {describe(torch.float32)}")
+for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    print(f"kvlab kernels: {name} linear layers run on {describe(dtype, False, onednn_bf16_packing())}")

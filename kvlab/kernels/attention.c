@@ -17,19 +17,12 @@
  * result depends only on its query and its keys' values, never on the other rows, the batch or
  * where the keys lie: deterministic mode runs prompts and decodes through it alike.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-#define GMAX 3 /* query heads per pass over the values: 3 x 4 accumulators */
+#include "simd.h"
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define GMAX 3 /* query heads per pass over the values: 3 x 4 accumulators */
 
 static inline __m256 exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
@@ -47,18 +40,6 @@ static inline __m256 exp256(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-/* 8 cache values from element i of a row: fp32 as is, bf16 widened (its 16 bits on top). */
-static inline __m256 load8(const void *base, long i, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)base + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline const void *row_at(const void *cache, long index, long width, int bf16) {
-    return bf16 ? (const void *)((const uint16_t *)cache + index * width)
-                : (const void *)((const float *)cache + index * width);
 }
 
 /* One query head's scores over n keys (stored at p) and their max. Each score is one chain of

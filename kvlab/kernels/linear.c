@@ -1,7 +1,8 @@
-/* kvlab's fp32 linear layer for small batches on x86 CPUs with AVX2 and FMA.
+/* kvlab's linear layer on x86 CPUs with AVX2 and FMA, fp32 or bf16.
  *
  * y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]): x [M, K], w [N, K] (nn.Linear's layout, used as
- * is: no packed copy), y [M, N], all row-major and contiguous.
+ * is: no packed copy), y [M, N], all row-major and contiguous, all fp32 or all bf16. bf16 values
+ * are widened exactly, summed in fp32, and each output rounded once (as PyTorch's bf16 matmul).
  *
  * Why: a decode step multiplies a few rows by every weight, so it is a read of the weights.
  * On the AVX2 EPYC kvlab is measured on, MKL's sgemm reads them at 3-8 GB/s for 1-16 rows;
@@ -12,50 +13,46 @@
  * sum, then the bias. It does not depend on M, on the row's place in the batch or on the thread
  * count, so every row is bitwise the same whatever runs beside it (deterministic mode).
  */
-#include <immintrin.h>
+#include "simd.h"
 
 #define NB_MAX 8 /* output rows (weight rows) per tile: 8 for one input row, else 4 */
 #define MB 3     /* input rows per tile: MB * 4 accumulators + 4 weights + 1 input in 16 registers */
 #define MBLOCK 48 /* input rows per pass over the weights (a multiple of MB) */
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
-/* Input rows m0..m0+mb-1 against weight rows n0..n0+nn-1 (nn <= nb); mb and nb are constants
- * after inlining, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile(const float *x, const float *w, const float *b,
-                                                       float *y, long m0, const int mb, long n0,
-                                                       const int nb, long nn, long N, long K) {
-    const float *wr[NB_MAX], *xr[MB];
-    for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * K;
-    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * K;
+/* Input rows m0..m0+mb-1 against weight rows n0..n0+nn-1 (nn <= nb); mb, nb and bf16 are
+ * constants after inlining, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const void *x, const void *w, const void *b,
+                                                       void *y, long m0, const int mb, long n0,
+                                                       const int nb, long nn, long N, long K,
+                                                       const int bf16) {
+    const void *wr[NB_MAX], *xr[MB];
+    for (int j = 0; j < nb; j++) wr[j] = row_at(w, n0 + (j < nn ? j : 0), K, bf16);
+    for (int i = 0; i < mb; i++) xr[i] = row_at(x, m0 + i, K, bf16);
     __m256 acc[MB][NB_MAX];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps();
     long k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 wv[NB_MAX];
-        for (int j = 0; j < nb; j++) wv[j] = _mm256_loadu_ps(wr[j] + k);
+        for (int j = 0; j < nb; j++) wv[j] = load8(wr[j], k, bf16);
         for (int i = 0; i < mb; i++) {
-            __m256 xv = _mm256_loadu_ps(xr[i] + k);
+            __m256 xv = load8(xr[i], k, bf16);
             for (int j = 0; j < nb; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nn; j++) {
             float s = hsum(acc[i][j]);
-            for (long kk = k; kk < K; kk++) s += xr[i][kk] * wr[j][kk];
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
+            for (long kk = k; kk < K; kk++) s += load1(xr[i], kk, bf16) * load1(wr[j], kk, bf16);
+            if (b) s += load1(b, n0 + j, bf16);
+            store1(y, (m0 + i) * N + n0 + j, s, bf16);
         }
 }
 
-void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
-                      long K, int threads) {
+static inline __attribute__((always_inline)) void linear(const void *x, const void *w, const void *b,
+                                                         void *y, long M, long N, long K,
+                                                         int threads, const int bf16) {
     const int nb = M == 1 ? 8 : 4; /* one row: more weight rows in flight per pass over x */
     const long tiles = (N + nb - 1) / nb;
     /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
@@ -65,12 +62,22 @@ void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, 
         for (long t = 0; t < tiles; t++) {
             long n0 = t * nb, nn = N - n0 < nb ? N - n0 : nb, m0 = block;
             if (M == 1) {
-                tile(x, w, b, y, 0, 1, n0, 8, nn, N, K);
+                tile(x, w, b, y, 0, 1, n0, 8, nn, N, K, bf16);
                 continue;
             }
-            for (; m0 + MB <= end; m0 += MB) tile(x, w, b, y, m0, MB, n0, 4, nn, N, K);
-            if (end - m0 == 2) tile(x, w, b, y, m0, 2, n0, 4, nn, N, K);
-            else if (end - m0 == 1) tile(x, w, b, y, m0, 1, n0, 4, nn, N, K);
+            for (; m0 + MB <= end; m0 += MB) tile(x, w, b, y, m0, MB, n0, 4, nn, N, K, bf16);
+            if (end - m0 == 2) tile(x, w, b, y, m0, 2, n0, 4, nn, N, K, bf16);
+            else if (end - m0 == 1) tile(x, w, b, y, m0, 1, n0, 4, nn, N, K, bf16);
         }
     }
+}
+
+void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
+                      long K, int threads) {
+    linear(x, w, b, y, M, N, K, threads, 0);
+}
+
+void kvlab_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
+                       long N, long K, int threads) {
+    linear(x, w, b, y, M, N, K, threads, 1);
 }

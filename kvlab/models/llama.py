@@ -95,11 +95,13 @@ def _can_prepack(weight: Tensor) -> bool:
     kernels (AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU oneDNN refuses to pack)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
-    return _onednn_bf16_packing()
+    return onednn_bf16_packing()
 
 
 @functools.cache
-def _onednn_bf16_packing() -> bool:
+def onednn_bf16_packing() -> bool:
+    """Does oneDNN pack and multiply bf16 weights on this CPU (AVX-512 or AVX-NE-CONVERT)? One
+    probe per process."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -178,16 +180,17 @@ def _use(packed: PackedWeights | None, x: Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs inference, in order of preference: by kvlab's native kernel (fp32,
-    up to ``native_rows`` rows: ``kvlab.kernels``), from packed weights once ``prepack()``-ed
-    (bf16, see ``PackedWeights``), or by plain ``F.linear``. With ``row_block`` > 1
-    (deterministic mode without the native kernel), the rows are padded with zero rows to a
-    multiple of it, so that every row goes through the same GEMM kernel whatever the batch
+    """nn.Linear that runs inference, in order of preference: from packed weights once
+    ``prepack()``-ed (bf16 where oneDNN has bf16 kernels, see ``PackedWeights``), by kvlab's
+    native kernel (fp32 or bf16, up to ``native_rows`` rows: by default
+    ``kvlab.kernels.max_rows``), or by plain ``F.linear``. With ``row_block`` > 1 (deterministic
+    mode without the native kernel), the rows are padded with zero rows to a multiple of it, so
+    that every row goes through the same GEMM kernel whatever the batch
     (``kvlab.models.invariant``)."""
 
     _packed: PackedWeights | None = None
     row_block: int = 1
-    native_rows: int = kernels.MAX_ROWS
+    native_rows: int | None = None
 
     def prepack(self) -> int:
         """Pack the weight if that applies here; returns the bytes the packed copy takes."""
@@ -199,12 +202,15 @@ class Linear(nn.Linear):
         self._packed = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] <= self.native_rows and kernels.usable(x, self.weight, self.bias):
+        if _use(self._packed, x):
+            return self._packed(x)  # type: ignore[misc]
+        rows = self.native_rows
+        if rows is None:
+            rows = kernels.max_rows(x.dtype, onednn_bf16_packing())
+        if x.shape[0] <= rows and kernels.usable(x, self.weight, self.bias):
             return kernels.linear(x, self.weight, self.bias)
         if x.shape[0] % self.row_block:
             return F.linear(pad_rows(x, self.row_block), self.weight, self.bias)[:x.shape[0]]
-        if _use(self._packed, x):
-            return self._packed(x)  # type: ignore[misc]
         return F.linear(x, self.weight, self.bias)
 
 
@@ -422,7 +428,7 @@ class CausalLM(nn.Module):
         self.invariant_rows = None
         if not on:
             for m in linears:
-                m.native_rows = kernels.MAX_ROWS
+                m.native_rows = None
             return
         self.unpack()
         rows = check_linears(linears, self.dtype, self.device)

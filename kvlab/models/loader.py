@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
-from kvlab.models.llama import CausalLM, _onednn_bf16_packing, check_supported, inv_frequencies
+from kvlab.models.llama import CausalLM, onednn_bf16_packing, check_supported, inv_frequencies
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
 
@@ -74,14 +74,14 @@ def choose_dtype(name: str | torch.dtype, device: str = "cpu") -> DtypeChoice:
     if key == "auto":
         if not cpu:
             return DtypeChoice(torch.bfloat16, f"auto: a {torch.device(device).type} device")
-        if _onednn_bf16_packing():
+        if onednn_bf16_packing():
             return DtypeChoice(torch.bfloat16, "auto: this CPU has oneDNN's bf16 kernels")
         return DtypeChoice(torch.float32, "auto: this CPU has no oneDNN bf16 kernels (AVX-512 or "
                                           "AVX-NE-CONVERT), where bf16 matmuls run far slower than fp32")
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, fp32, bf16 or fp16")
     dtype = DTYPES[key]
-    if dtype == torch.bfloat16 and cpu and not _onednn_bf16_packing():
+    if dtype == torch.bfloat16 and cpu and not onednn_bf16_packing():
         return DtypeChoice(dtype, "as asked; slow here: this CPU has no oneDNN bf16 kernels, "
                                   "--dtype auto picks fp32")
     return DtypeChoice(dtype, "as asked")
