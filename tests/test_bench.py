@@ -9,7 +9,7 @@ import pytest
 from kvlab.bench import Workload, add_compute_bound, parse_range, run_engine, run_hf
 from kvlab.cli import main
 from kvlab.engine.options import EngineOptions
-from kvlab.models.llama import _onednn_bf16_packing
+from kvlab.models.llama import onednn_bf16_packing
 from kvlab.dtypes import weight_dtype
 from kvlab.plan import decode_flops, generation_flops, prefill_flops
 from kvlab.plan.memory import weights_split
@@ -118,7 +118,7 @@ def test_cli_bench_json_on_the_bundled_model(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["num_requests"] == 3 and 12 <= r["output_tokens"] <= 18
     # the default dtype, auto: bf16 only where this CPU has oneDNN's bf16 kernels, and why
-    assert r["dtype"] == ("bf16" if _onednn_bf16_packing() else "fp32")
+    assert r["dtype"] == ("bf16" if onednn_bf16_packing() else "fp32")
     assert r["dtype_why"].startswith("auto: this CPU has")
     assert r["matmul_peak_flops"] > 0
     assert r["compute_bound_tokens_per_s"] == pytest.approx(
