@@ -27,9 +27,9 @@ from kvlab.sampling import SamplingParams
 # op name -> group; anything else is "other ops" (norms, RoPE, SiLU, adds, copies, sampling...)
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-               "mkldnn::_linear_pointwise"),
+               "mkldnn::_linear_pointwise", "kvlab::linear"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
-                  "aten::_softmax", "aten::softmax"),
+                  "aten::_softmax", "aten::softmax", "kvlab::paged_attention"),
     "cache reads and writes": ("aten::index_select", "aten::index_put_", "aten::index_copy_", "aten::index"),
 }
 

@@ -206,3 +206,15 @@ def test_the_engine_gives_the_same_answers_with_each_native_kernel_and_without(k
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_a_torch_profile_names_the_kernels():
+    """benchmarks/decode_ops.py groups ops by name: a ctypes call would otherwise be invisible."""
+    native()
+    from torch.profiler import profile
+
+    cache = torch.randn(1, 2, 16, 32)
+    with profile() as prof:
+        kernels.linear(torch.randn(2, 8), torch.randn(4, 8), None)
+        kernels.paged_attention(torch.randn(1, 2, 32), cache, cache, torch.arange(5)[None], torch.tensor([5]))
+    assert {"kvlab::linear", "kvlab::paged_attention"} <= {e.key for e in prof.key_averages()}

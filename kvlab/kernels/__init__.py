@@ -17,6 +17,7 @@ builds it and says which path runs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from kvlab.hardware import CACHE_DIR
 
@@ -91,6 +93,12 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     return lib, Status(True, str(path))
 
 
+def _profiled(name: str) -> contextlib.AbstractContextManager:
+    """The call as a named op in a running torch profile (``benchmarks/decode_ops.py``); a
+    ctypes call is otherwise invisible there. Free when no profile runs."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def status() -> Status:
     """Whether the native linear kernel runs here (building it if needed), and why not."""
     return _load()[1]
@@ -143,8 +151,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     fn = lib.kvlab_linear_f32 if x.dtype == torch.float32 else lib.kvlab_linear_bf16
-    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n,
-       k, torch.get_num_threads())
+    with _profiled("kvlab::linear"):
+        fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+           m, n, k, torch.get_num_threads())
     return y
 
 
@@ -180,11 +189,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     dtype, q, slots = q.dtype, q.float().contiguous(), slots.to(torch.int64).contiguous()
     seqs, starts, lengths = (t.to(torch.int64).contiguous() for t in (seqs, starts, lengths))
     out = torch.empty(r, h, dv, dtype=torch.float32)
-    failed = lib.kvlab_paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-        k_cache.shape[1] * k_cache.shape[2], slots.data_ptr(), slots.shape[1], seqs.data_ptr(),
-        starts.data_ptr(), lengths.data_ptr(), out.data_ptr(), r, h, kv, d, dv, 1.0 / math.sqrt(d),
-        torch.get_num_threads())
+    with _profiled("kvlab::paged_attention"):
+        failed = lib.kvlab_paged_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            k_cache.shape[1] * k_cache.shape[2], slots.data_ptr(), slots.shape[1], seqs.data_ptr(),
+            starts.data_ptr(), lengths.data_ptr(), out.data_ptr(), r, h, kv, d, dv,
+            1.0 / math.sqrt(d), torch.get_num_threads())
     if failed:
         raise MemoryError("paged attention: out of memory for the scores")
     return out.to(dtype)
