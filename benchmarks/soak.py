@@ -269,7 +269,7 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
 
         traffic = asyncio.run(run())
         cache = idle_cache(server.url)
-        swap_fd = any("kvlab-swap" in os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+        swap_fd = any("kvlab-swap" in target for target in open_files(pid))
         metrics = httpx.get(f"{server.url}/metrics").text
         status = server.stop()
     left_files = sorted(str(p.relative_to(server.tmpdir)) for p in server.tmpdir.rglob("kvlab-swap-*"))
@@ -321,6 +321,18 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def open_files(pid: int) -> list[str]:
+    """What a process's open file descriptors point to; one closed while they are listed (the
+    server still answers requests then) is skipped."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return targets
 
 
 def main() -> int:
