@@ -8,8 +8,8 @@ reads, per sequence, only the slots it can see:
   prefix plus the chunk (a window mask on sliding layers);
 - decodes (one new token each): bucketed by context length (lengths within 3/4 of the bucket's
   longest share one padded SDPA), so the work follows the tokens actually cached, not the longest
-  sequence of the batch. Where ``kvlab.kernels.paged_attention`` runs (fp32 queries, an fp32 or
-  bf16 cache, AVX2), each bucket is one call that reads the slots in place, with no gathered copy.
+  sequence of the batch. Where ``kvlab.kernels.paged_attention`` runs (fp32 or bf16 queries, an
+  fp32 or bf16 cache, AVX2), each bucket is one call that reads the slots in place, with no gathered copy.
 - sequences whose eviction policy needs attention scores (h2o, snapkv): one explicit softmax
   pass each (``attend_scored``), which adds each key's attention mass to the sequence's scores.
 Blocks a sequence gave back (a window's past, evicted tokens) are skipped; the keys it still holds

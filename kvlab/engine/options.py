@@ -120,8 +120,8 @@ class EngineOptions:
         type=_budget, metavar="N|RATIO")
     deterministic: bool | None = _opt(
         None, "batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever "
-        "runs beside it (CPU; at a fixed thread count). Default: on where it costs nothing (fp32 on "
-        "a CPU where kvlab's native kernels run, no eviction policy, --tp 1), else off",
+        "runs beside it (CPU; at a fixed thread count). Default: on where it costs nothing (kvlab's "
+        "native kernels run the whole model, no eviction policy, --tp 1), else off",
         flag="--deterministic", action=argparse.BooleanOptionalAction)
 
     tp: int = _opt(1, "tensor-parallel size: N worker processes on this machine, each with 1/N of "

@@ -100,7 +100,7 @@ def _profiled(name: str) -> contextlib.AbstractContextManager:
 
 
 def status() -> Status:
-    """Whether the native linear kernel runs here (building it if needed), and why not."""
+    """Whether the native kernels run here (building them if needed), and why not."""
     return _load()[1]
 
 
