@@ -177,8 +177,10 @@ def test_paged_attention_refuses_what_it_cannot_read():
     assert kernels.attention_usable(q, cache, cache) == kernels.status().available
 
 
-@pytest.mark.parametrize("kernel,kv_dtype", [("attention_usable", "auto"), ("attention_usable", "bf16"),
-                                              ("usable", "auto")])
+@pytest.mark.parametrize("kernel,kv_dtype", [(("attention_usable", "attention_fits"), "auto"),
+                                              (("attention_usable", "attention_fits"), "bf16"),
+                                              (("usable",), "auto"), (("rowwise_usable",), "auto"),
+                                              (("rowwise_usable",), "bf16")])
 def test_the_engine_gives_the_same_answers_with_each_native_kernel_and_without(kernel, kv_dtype,
                                                                               monkeypatch):
     """The engine end to end, one kernel against PyTorch's ops: the same greedy tokens, logprobs
@@ -200,12 +202,124 @@ def test_the_engine_gives_the_same_answers_with_each_native_kernel_and_without(k
         return LLM(model, kv_dtype=kv_dtype, max_num_batched_tokens=32).generate(prompts, params)
 
     fast = run()
-    monkeypatch.setattr(kernels, kernel, lambda *a: False)
+    for name in kernel:
+        monkeypatch.setattr(kernels, name, lambda *a: False)
     slow = run()
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def tiny(dtype: str, **over):
+    from kvlab.models import build_model
+    from kvlab.models.loader import init_random_
+    from kvlab.spec import spec_from_config
+    from tests.test_engine_parity import tiny_config
+
+    model = build_model(spec_from_config(tiny_config(**over), "tiny"), dtype, random_weights=True)
+    init_random_(model, seed=0, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,deterministic", [("fp32", "auto", True), ("fp32", "auto", False),
+                                                          ("fp32", "bf16", True), ("bf16", "auto", True),
+                                                          ("bf16", "fp32", False)])
+def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dtype, kv_dtype, deterministic,
+                                                                             monkeypatch):
+    """One native call per layer (``kvlab.kernels.decoder_layer``) against the layer's modules
+    calling the same kernels op by op: the same bits, so a step may take either path (deterministic
+    mode runs a step with a scored span through the modules). Biases (Qwen2's q/k/v), a window,
+    batched decodes and prompts."""
+    native()
+    from kvlab.engine.llm import LLM
+    from kvlab.models.llama import DecoderLayer
+    from kvlab.sampling import SamplingParams
+
+    model = tiny(dtype, model_type="qwen2", num_hidden_layers=2, sliding_window=6,
+                 layer_types=["sliding_attention", "full_attention"])
+    prompts = [[1, 2, 3], list(range(5, 40)), list(range(60, 70)) * 3]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    calls = []
+    fused = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+
+    def run():
+        llm = LLM(model, kv_dtype=kv_dtype, max_num_batched_tokens=32, deterministic=deterministic)
+        return [(o.token_ids, [(t.token_id, t.logprob, t.top) for t in o.logprobs])
+                for o in llm.generate(prompts, params)]
+
+    one_call = run()
+    assert calls and max(calls) > 1  # batched rows went through it
+    monkeypatch.setattr(DecoderLayer, "native_weights", lambda self, x: None)
+    calls.clear()
+    by_modules = run()
+    assert not calls
+    assert one_call == by_modules
+
+
+def test_the_native_decoder_layer_runs_only_where_every_op_is_native(monkeypatch):
+    """Autograd, packed or tensor-parallel linears, q/k norms (Qwen3) or rows past the linear
+    kernel's limit: the modules run."""
+    native()
+    from kvlab.models.llama import Linear as KvLinear
+    from kvlab.models.parallel import RowParallelLinear
+
+    model = tiny("fp32")
+    layer = model.model.layers[0]
+    x = torch.randn(3, model.spec.hidden_size)
+    with torch.inference_mode():
+        weights = layer.native_weights(x)
+        assert weights is not None and len(weights) == 16
+        assert weights[2] is None and weights[9] is layer.post_attention_layernorm.weight  # no q bias here
+        layer.mlp.down_proj.native_rows = 2
+        assert layer.native_weights(x) is None
+        layer.mlp.down_proj.native_rows = None
+        assert tiny("fp32", model_type="qwen3").model.layers[0].native_weights(x) is None
+        o = layer.self_attn.o_proj
+        layer.self_attn.o_proj = RowParallelLinear(o.weight, o.bias, None)
+        assert layer.native_weights(x) is None
+        layer.self_attn.o_proj = o
+        assert isinstance(o, KvLinear) and layer.native_weights(x.bfloat16()) is None  # dtypes differ
+    assert layer.native_weights(x) is None  # autograd on
+
+
+def test_the_row_wise_kernels_are_pytorchs_ops():
+    """RoPE, the residual add and the cache write bitwise; RMSNorm and silu within rounding (the
+    order of the sum of squares and the exponential are kvlab's own)."""
+    native()
+    from kvlab.models.llama import RMSNorm, apply_rope
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, a = torch.randn(7, 96).to(dtype), torch.randn(7, 96).to(dtype)
+        norm = RMSNorm(96, 1e-5).to(dtype)
+        norm.weight.data = torch.randn(96).to(dtype)
+        with torch.inference_mode():
+            y, h = kernels.rms_norm(x, norm.weight, 1e-5, a)
+            assert torch.equal(h, x + a)
+            h32 = h.float()
+            want = norm.weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+            torch.testing.assert_close(y, want)
+        q = torch.randn(5, 4, 64).to(dtype)
+        wide = torch.randn(5, 6, 64).to(dtype)
+        wide[:, 1:5] = q
+        cos, sin = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+        kernels.rope_(wide[:, 1:5], cos, sin)  # heads contiguous, tokens strided
+        assert torch.equal(wide[:, 1:5], apply_rope(q, cos, sin))
+        for cache_dtype in (torch.float32, torch.bfloat16):
+            kc, vc = torch.zeros(2, 40, 64, dtype=cache_dtype), torch.zeros(2, 40, 32, dtype=cache_dtype)
+            k, v = torch.randn(3, 2, 64).to(dtype), torch.randn(3, 2, 32).to(dtype)
+            slots = torch.tensor([7, 0, 39])
+            kernels.store_kv(k, v, kc, vc, slots)
+            assert torch.equal(kc[:, slots], k.to(cache_dtype).transpose(0, 1))
+            assert torch.equal(vc[:, slots], v.to(cache_dtype).transpose(0, 1))
+            assert kc.sum() == kc[:, slots].sum()  # nothing else written
+        g, u = torch.randn(3, 37).to(dtype), torch.randn(3, 37).to(dtype)
+        want = F.silu(g.float()).to(dtype) * u
+        got = kernels.silu_mul_(g.clone(), u)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32 else 8e-3,
+                                   atol=1e-6)
+        assert torch.equal(kernels.silu_mul_(g[1:2].clone(), u[1:2]), got[1:2])  # any row, any place
 
 
 def test_a_torch_profile_names_the_kernels():

@@ -171,6 +171,10 @@ def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str,
     return out
 
 
+def _indices(*tensors: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t.to(torch.long).contiguous() for t in tensors)
+
+
 class PagedAttention:
     """The attention backend over a PagedKVCache; `prepare` it before each forward pass."""
 
@@ -181,6 +185,22 @@ class PagedAttention:
     def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
         self.steps = [build_group_step(spans, gi, g, self.cache.block_size, device)
                       for gi, g in enumerate(self.cache.groups)]
+        self.layouts: dict[int, tuple[Tensor, ...] | None] = {}  # per group, at its first layer
+
+    def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> kernels.RowsLayout | None:
+        """A decode-only step (one bucket, every row): see ``NativeAttention``."""
+        gi = self.cache.group_of[layer_idx]
+        plain = self.cache.plain(layer_idx)
+        if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
+            return None
+        if gi not in self.layouts:
+            step = self.steps[gi]
+            b = step.decodes[0] if len(step.decodes) == 1 and step.decodes[0].all_rows else None
+            self.layouts[gi] = None if b is None else _indices(
+                step.slot_mapping, b.key_slots, torch.arange(len(b.lengths)),
+                torch.zeros(len(b.lengths), dtype=torch.long), b.lengths)
+        layout = self.layouts[gi]
+        return None if layout is None else kernels.RowsLayout(*plain, *layout)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step = self.steps[self.cache.group_of[layer_idx]]
@@ -333,15 +353,34 @@ class InvariantAttention(PagedAttention):
         # laid out per group at its first layer, when the queries' dtype says which path runs
         self.spans, self.device, self.split_steps = spans, device, {}
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _group_step(self, layer_idx: int, native: bool) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
         gi = self.cache.group_of[layer_idx]
-        plain = self.cache.plain(layer_idx)
-        native = plain is not None and kernels.attention_usable(q, *plain)
         if gi not in self.split_steps:
             self.split_steps[gi] = build_split_spans(self.spans, gi, self.cache.groups[gi],
                                                      self.cache.block_size, self.device, native)
-        mapping, spans, rowwise = self.split_steps[gi]
+        return self.split_steps[gi]
+
+    def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> kernels.RowsLayout | None:
+        """A step whose every row runs one by one through the native attention (no scored
+        spans): see ``NativeAttention``."""
+        plain = self.cache.plain(layer_idx)
+        if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
+            return None
+        mapping, spans, rowwise = self._group_step(layer_idx, True)
+        if rowwise is None or spans:
+            return None
+        return kernels.RowsLayout(*plain, *_indices(mapping, rowwise.slots, rowwise.seqs, rowwise.starts,
+                                                    rowwise.lengths))
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        plain = self.cache.plain(layer_idx)
+        native = plain is not None and kernels.attention_usable(q, *plain)
+        mapping, spans, rowwise = self._group_step(layer_idx, native)
         self.cache.write(layer_idx, k, v, mapping)
+        if rowwise is not None and not spans:  # every row, in order: no gather or scatter
+            assert plain is not None
+            return kernels.paged_attention(q, *plain, rowwise.slots, rowwise.lengths, rowwise.starts,
+                                           rowwise.seqs)
         out = torch.empty_like(q)
         if rowwise is not None:
             assert plain is not None

@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from kvlab import kernels
 from kvlab.dtypes import kv_dtype as lookup_kv_dtype
 from kvlab.engine.kv_manager import BlockCopies
 from kvlab.engine.sizing import LayerGroup
@@ -112,6 +113,10 @@ class PagedKVCache:
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
         """Store new tokens' K/V [T, kv_heads, D] at slots [T]."""
         tensors = self.blocks[layer]
+        plain = self.plain(layer)
+        if plain is not None and kernels.rowwise_usable(k, v) and kernels.rowwise_usable(*plain):
+            kernels.store_kv(k, v, _rows(plain[0]), _rows(plain[1]), slots)  # one call, no copies
+            return
         for j, x in enumerate((k, v)):
             flat = _rows(tensors[j])  # [kv_heads, slots, D]
             if self.format.name == "int8":

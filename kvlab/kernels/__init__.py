@@ -8,6 +8,11 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
 - ``paged_attention`` (``attention.c``): query rows against their keys and values read in place
   in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA. A row's result does not
   depend on the other rows either.
+- ``rms_norm``, ``rope_``, ``store_kv``, ``silu_mul_`` (``rowwise.c``): the small ops between a
+  layer's matmuls, one call each instead of 2-10 PyTorch ops, whose dispatch dominated them at
+  batch 1.
+- ``decoder_layer`` (``layer.c``): a whole Llama-form decoder layer by the kernels above in one
+  call, bitwise the same as the layer's modules running them one by one.
 
 It needs an x86 CPU with AVX2 and FMA and a C compiler with OpenMP (``$CC``, ``cc`` or
 ``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
@@ -37,9 +42,11 @@ from torch.profiler import record_function
 
 from kvlab.hardware import CACHE_DIR
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
+# ops round each step as PyTorch's eager ops do)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
 MAX_ROWS = 64
@@ -90,6 +97,15 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     lib.kvlab_paged_attention.argtypes = [p, p, p, ctypes.c_int, n, p, n, p, p, p, p, n, n, n, n, n,
                                           ctypes.c_float, ctypes.c_int]
     lib.kvlab_paged_attention.restype = ctypes.c_int
+    i, f = ctypes.c_int, ctypes.c_float
+    for fn, args in ((lib.kvlab_rms_norm, [p, p, p, p, p, n, n, f, i, i]),
+                     (lib.kvlab_rope, [p, n, n, n, n, p, p, i, i]),
+                     (lib.kvlab_store_kv, [p, p, n, n, p, p, p, n, n, n, n, n, i, i]),
+                     (lib.kvlab_silu_mul, [p, p, n, i, i])):
+        fn.argtypes, fn.restype = args, None
+    lib.kvlab_decoder_layer.argtypes = [p, n, n, n, n, n, n, f, p, p, p, p, p, p, n, i, p, p, n, p, p, p,
+                                        i, i]
+    lib.kvlab_decoder_layer.restype = ctypes.c_int
     return lib, Status(True, str(path))
 
 
@@ -158,17 +174,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def attention_usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Can ``paged_attention`` run: q [R, H, D] fp32 or bf16 on CPU, caches [KV, blocks,
-    block_size, D] in fp32 or bf16, head sizes multiples of 32, at most 64 query heads per KV
-    head."""
-    if q.dtype not in (torch.float32, torch.bfloat16) or q.device.type != "cpu" or q.dim() != 3:
+    """Can ``paged_attention`` run: q [R, H, D] on CPU, and ``attention_fits``."""
+    return q.device.type == "cpu" and q.dim() == 3 and attention_fits(q.dtype, q.shape[1], q.shape[2],
+                                                                      k_cache, v_cache)
+
+
+def attention_fits(dtype: torch.dtype, heads: int, head_dim: int, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Can ``paged_attention`` take queries of this dtype and heads: fp32 or bf16, caches [KV,
+    blocks, block_size, D] on CPU in fp32 or bf16, head sizes multiples of 32, at most 64 query
+    heads per KV head."""
+    if dtype not in (torch.float32, torch.bfloat16) or k_cache.device.type != "cpu":
         return False
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
         return False
     if k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    h, d, kv = q.shape[1], q.shape[2], k_cache.shape[0]
-    if k_cache.shape[-1] != d or d % 32 or v_cache.shape[-1] % 32 or h % kv or h // kv > 64:
+    kv = k_cache.shape[0]
+    if k_cache.shape[-1] != head_dim or head_dim % 32 or v_cache.shape[-1] % 32 or heads % kv or heads // kv > 64:
         return False
     return _load()[0] is not None
 
@@ -198,3 +220,111 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     if failed:
         raise MemoryError("paged attention: out of memory for the scores")
     return out.to(dtype)
+
+
+def rowwise_usable(*tensors: Tensor) -> bool:
+    """Can the row-wise kernels take these tensors: all fp32 or all bf16 on CPU, none needing a
+    gradient."""
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled()):
+            return False
+    return _load()[0] is not None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(h) * weight, h) with h = x + residual (h = x without one), as PyTorch's ops
+    compute them (check ``rowwise_usable`` first). x, residual [M, D]; weight [D]."""
+    lib = _load()[0]
+    assert lib is not None
+    x, weight = x.contiguous(), weight.contiguous()
+    m, d = x.shape
+    y = torch.empty_like(x)
+    h = x if residual is None else torch.empty_like(x)
+    residual = None if residual is None else residual.contiguous()
+    a = None if residual is None else residual.data_ptr()
+    with _profiled("kvlab::rms_norm"):
+        lib.kvlab_rms_norm(x.data_ptr(), a, None if residual is None else h.data_ptr(), weight.data_ptr(),
+                           y.data_ptr(), m, d, eps, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return y, h
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE in place on x [T, H, D] (heads contiguous, any token stride; check
+    ``rowwise_usable`` first) with cos, sin [T, D]; returns x."""
+    lib = _load()[0]
+    assert lib is not None
+    t, h, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d, "rope_: each token's heads must be contiguous"
+    cos, sin = cos.contiguous(), sin.contiguous()
+    with _profiled("kvlab::rope"):
+        lib.kvlab_rope(x.data_ptr(), t, h, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                       int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return x
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
+    """Write k [T, KV, D] and v [T, KV, DV] (fp32 or bf16) at ``slots`` [T]
+    of the caches [KV, S, D] / [KV, S, DV] (fp32 or bf16, contiguous), cast to the cache's
+    dtype."""
+    lib = _load()[0]
+    assert lib is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
+    k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
+    slots = slots.to(torch.int64).contiguous()
+    with _profiled("kvlab::store_kv"):
+        lib.kvlab_store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                           v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2],
+                           v.shape[2], k_cache.shape[1], int(k.dtype == torch.bfloat16),
+                           int(k_cache.dtype == torch.bfloat16))
+
+
+def silu_mul_(gate: Tensor, up: Tensor) -> Tensor:
+    """gate = silu(gate) * up in place (check ``rowwise_usable``; both contiguous, same shape);
+    returns gate."""
+    lib = _load()[0]
+    assert lib is not None and gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
+    with _profiled("kvlab::silu_mul"):
+        lib.kvlab_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), int(gate.dtype == torch.bfloat16),
+                           torch.get_num_threads())
+    return gate
+
+
+@dataclass(frozen=True)
+class RowsLayout:
+    """A step's rows as the native attention reads them: row r's new K/V go to ``write_slots[r]``
+    of the caches [KV, blocks, block_size, D], and it attends to ``slots[seqs[r],
+    starts[r]:starts[r] + lengths[r]]`` (all int64, contiguous)."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    write_slots: Tensor
+    slots: Tensor
+    seqs: Tensor
+    starts: Tensor
+    lengths: Tensor
+
+
+def decoder_layer(x: Tensor, weights: list[Tensor | None], heads: int, kv_heads: int, eps: float,
+                  cos: Tensor, sin: Tensor, layout: RowsLayout) -> Tensor:
+    """A Llama-form decoder layer on x [M, hidden] (contiguous): ``weights`` are the input norm's,
+    q, q bias, k, k bias, v, v bias, o, o bias, the post-attention norm's, gate, gate bias, up,
+    up bias, down, down bias (None: no bias), all x's dtype (fp32 or bf16) and contiguous;
+    cos, sin [M, head_dim]. Writes the rows' K/V to the cache; returns the layer's output."""
+    lib = _load()[0]
+    assert lib is not None
+    m, hidden = x.shape
+    kc, vc = layout.k_cache, layout.v_cache
+    ptrs = (ctypes.c_void_p * 16)(*(None if w is None else w.data_ptr() for w in weights))
+    out = torch.empty_like(x)
+    with _profiled("kvlab::decoder_layer"):
+        failed = lib.kvlab_decoder_layer(
+            ptrs, m, hidden, heads, kv_heads, kc.shape[-1], weights[10].shape[0], eps,  # type: ignore[union-attr]
+            x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+            kc.shape[1] * kc.shape[2], int(kc.dtype == torch.bfloat16), layout.write_slots.data_ptr(),
+            layout.slots.data_ptr(), layout.slots.shape[1], layout.seqs.data_ptr(), layout.starts.data_ptr(),
+            layout.lengths.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if failed:
+        raise MemoryError("decoder layer: out of memory for its buffers or the attention's scores")
+    return out

@@ -13,7 +13,7 @@
  * its values once for the output, for all the query heads sharing that KV head.
  *
  * Softmax in three passes over the row's scores (max, exp and sum, weighted values), all in
- * fp32, in key order; the exponential is Cephes' polynomial (relative error ~1e-7). A row's
+ * fp32, in key order; the exponential is simd.h's exp256. A row's
  * result depends only on its query and its keys' values, never on the other rows, the batch or
  * where the keys lie: deterministic mode runs prompts and decodes through it alike.
  */
@@ -23,24 +23,6 @@
 #include "simd.h"
 
 #define GMAX 3 /* query heads per pass over the values: 3 x 4 accumulators */
-
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                      _mm256_set1_ps(88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 /* One query head's scores over n keys (stored at p) and their max. Each score is one chain of
  * FMAs over d then hsum; 8 keys' chains run side by side so that the FMAs' latency overlaps

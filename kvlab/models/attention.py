@@ -5,6 +5,9 @@ The model never touches a cache. Each attention layer projects q/k/v, applies Ro
     out = attn.attend(layer_idx, q, k, v)      # q [T, H, D], k/v [T, KV, D] -> out [T, H, D]
 
 on whatever backend the caller passed to ``model(input_ids, positions, attn, logits_indices)``.
+A backend that can also hand a step's layout to kvlab's native decoder layer (the paged engine's)
+implements ``NativeAttention``: the layer then runs whole in one native call, cache write
+included.
 Tokens are *flat* (T tokens of one or more sequences, no padding), which is the layout a paged
 engine needs (slot mapping + block tables), so a new backend plugs in here and the model code stays
 untouched. The caller prepares the backend's per-step state (which tokens go where) *before* the
@@ -20,13 +23,14 @@ Three backends live here:
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab.eviction import EvictionPolicy, fixed_point
+from kvlab.kernels import RowsLayout
 from kvlab.spec import LayerSpec, ModelSpec
 
 
@@ -35,6 +39,16 @@ class AttentionBackend(Protocol):
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        ...
+
+
+@runtime_checkable
+class NativeAttention(AttentionBackend, Protocol):
+    """A backend that can give this step's layout to ``kvlab.kernels.decoder_layer``."""
+
+    def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> RowsLayout | None:
+        """Where every row of this step writes and reads in this layer's cache, when the native
+        attention can serve them all (queries of ``dtype``, ``heads`` heads); None otherwise."""
         ...
 
 

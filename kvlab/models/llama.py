@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlab import kernels
-from kvlab.models.attention import AttentionBackend
+from kvlab.models.attention import AttentionBackend, NativeAttention
 from kvlab.models.invariant import check_linears, pad_rows
 from kvlab.spec import LayerSpec, ModelSpec
 
@@ -223,10 +223,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.rowwise_usable(x, self.weight):
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(this norm of h, h) with h = x + residual: one pass where the native kernel runs."""
+        if x.dim() == 2 and kernels.rowwise_usable(x, residual, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        h = x + residual
+        return self(h), h
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -237,6 +246,14 @@ def _rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, heads, D]; cos/sin [T, D] (already in x's dtype)."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def rope_in_place(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rope, written over x (a projection nothing else holds) where the native kernel
+    runs: one call instead of seven ops."""
+    if kernels.rowwise_usable(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return kernels.rope_(x, cos, sin)
+    return apply_rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -283,12 +300,12 @@ class Attention(nn.Module):
         v = v.view(t, kvh, d)
         if qk is not None and not self.qk_norm:
             # RoPE is elementwise: one pass over q and k side by side gives the same values
-            q, k = apply_rope(qk, cos, sin).split((h, kvh), 1)
+            q, k = rope_in_place(qk, cos, sin).split((h, kvh), 1)
         else:
             q, k = q.view(t, h, d), k.view(t, kvh, d)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope_in_place(q, cos, sin), rope_in_place(k, cos, sin)
         out = attn.attend(self.layer_idx, q, k, v).reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(out if rows is None else out[rows])
 
@@ -318,8 +335,10 @@ class MLP(nn.Module):
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # in place on the fresh projection outputs: the same values, no extra [T, inter] buffers
-        gate = F.silu(self.gate_proj(x), inplace=True)
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if kernels.rowwise_usable(gate, up) and gate.is_contiguous() and up.is_contiguous():
+            return self.down_proj(kernels.silu_mul_(gate, up))  # what the native layer computes
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -332,12 +351,43 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
+    def native_weights(self, x: Tensor) -> list[Tensor | None] | None:
+        """The weights ``kvlab.kernels.decoder_layer`` takes, when it can run this layer on x
+        exactly as these modules would: the native kernels serve every op at this many rows (no
+        packed copies, no tensor-parallel linears, no q/k norms, no autograd)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj)
+        if attn.qk_norm or attn._qkv is not None or mlp._gate_up is not None or torch.is_grad_enabled():
+            return None
+        rows = mlp.down_proj.native_rows
+        if x.shape[0] > (kernels.max_rows(x.dtype, onednn_bf16_packing()) if rows is None else rows):
+            return None
+        if any(type(m) is not Linear or m._packed is not None for m in linears):
+            return None
+        weights = [self.input_layernorm.weight]
+        for m in linears:
+            weights += [m.weight, m.bias]
+            if m is attn.o_proj:
+                weights.append(self.post_attention_layernorm.weight)
+        if not all(w is None or (w.dtype == x.dtype and w.is_contiguous()) for w in weights):
+            return None
+        native = kernels.usable(x, attn.q_proj.weight, attn.q_proj.bias) and kernels.rowwise_usable(x)
+        return weights if native else None
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 rows: Tensor | None = None) -> Tensor:
         """Output rows ``rows`` only (all if None); the cache still gets every row's K/V."""
+        if rows is None and isinstance(attn, NativeAttention):
+            weights = self.native_weights(x)
+            sa = self.self_attn
+            layout = None if weights is None else attn.native_layout(sa.layer_idx, x.dtype, sa.num_heads)
+            if layout is not None:
+                return kernels.decoder_layer(x, weights, sa.num_heads, sa.kv_heads,
+                                             self.input_layernorm.eps, cos, sin, layout)
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn, rows)
-        x = (x if rows is None else x[rows]) + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add(a, x if rows is None else x[rows])
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,98 @@
+/* kvlab's whole decoder layer (the Llama / Qwen2 form: RMSNorm, q/k/v with optional biases,
+ * rotate-half RoPE, attention over the paged cache, o, residual, RMSNorm, SiLU-gated MLP,
+ * residual) for M rows in one call, fp32 or bf16.
+ *
+ * Why: at batch 1 the bundled model's linears read their weights at the memory's speed, and
+ * what was left of a step was PyTorch's dispatch of the ~40 small ops around them per layer
+ * (each a few microseconds on this class of CPU). This runs the same kernels in the same order
+ * as the layer's PyTorch modules do when the native kernels serve them (linear, rms_norm, rope,
+ * store_kv, paged_attention, silu_mul, the residual adds), so its results are bitwise those of
+ * that path: a step may take either path without a row's values changing (deterministic mode).
+ *
+ * w: 16 pointers, see enum below (a NULL bias: none). The attention layout is that of
+ * kvlab_paged_attention; write_slots [M]: where each row's new K/V go. Returns 0, or 1 when
+ * memory for the scratch buffers or the scores ran out (nothing written but the cache).
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
+                      long K, int threads);
+void kvlab_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
+                       long N, long K, int threads);
+void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, void *y, long M,
+                    long D, float eps, int bf16, int threads);
+void kvlab_rope(void *x, long T, long H, long D, long stride, const void *cos, const void *sin,
+                int bf16, int threads);
+void kvlab_store_kv(const void *k, const void *v, long k_stride, long v_stride, void *kc, void *vc,
+                    const int64_t *slots, long T, long KV, long D, long DV, long S, int src_bf16,
+                    int dst_bf16);
+void kvlab_silu_mul(void *gate, const void *up, long n, int bf16, int threads);
+int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
+                          const int64_t *slots, long L, const int64_t *seq, const int64_t *start,
+                          const int64_t *len, float *out, long R, long H, long KV, long D, long DV,
+                          float scale, int threads);
+
+enum { NORM1, WQ, BQ, WK, BK, WV, BV, WO, BO, NORM2, WG, BG, WU, BU, WD, BD };
+
+static void lin(const void *x, const void *w, const void *b, void *y, long M, long N, long K,
+                int threads, int bf16) {
+    if (bf16) kvlab_linear_bf16(x, w, b, y, M, N, K, threads);
+    else kvlab_linear_f32(x, w, b, y, M, N, K, threads);
+}
+
+int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long KV, long D, long I,
+                        float eps, const void *x, void *out, const void *cos, const void *sin,
+                        void *kc, void *vc, long S, int cache_bf16, const int64_t *write_slots,
+                        const int64_t *slots, long L, const int64_t *seqs, const int64_t *starts,
+                        const int64_t *lengths, int bf16, int threads) {
+    const long es = bf16 ? 2 : 4, QD = H * D, KD = KV * D;
+    /* h (then the second norm's output), q, k, v, the attention's fp32 output, a (then the MLP's
+     * output), x + a, gate, up; bf16 adds fp32 q and the rounded attention output */
+    const long sizes[] = {M * hidden * es, M * QD * es, M * KD * es, M * KD * es, M * QD * 4,
+                          M * hidden * es, M * hidden * es, M * I * es, M * I * es,
+                          bf16 ? M * QD * 4 : 0, bf16 ? M * QD * es : 0};
+    enum { H_, Q_, K_, V_, O32_, A_, X2_, G_, U_, Q32_, O_, NBUF };
+    char *buf[NBUF];
+    long total = 0;
+    for (int i = 0; i < NBUF; i++) total += (sizes[i] + 63) / 64 * 64;
+    char *arena = malloc(total);
+    if (!arena) return 1;
+    for (int i = 0, at = 0; i < NBUF; at += (sizes[i] + 63) / 64 * 64, i++) buf[i] = arena + at;
+
+    kvlab_rms_norm(x, NULL, NULL, w[NORM1], buf[H_], M, hidden, eps, bf16, threads);
+    lin(buf[H_], w[WQ], w[BQ], buf[Q_], M, QD, hidden, threads, bf16);
+    lin(buf[H_], w[WK], w[BK], buf[K_], M, KD, hidden, threads, bf16);
+    lin(buf[H_], w[WV], w[BV], buf[V_], M, KD, hidden, threads, bf16);
+    kvlab_rope(buf[Q_], M, H, D, QD, cos, sin, bf16, threads);
+    kvlab_rope(buf[K_], M, KV, D, KD, cos, sin, bf16, threads);
+    kvlab_store_kv(buf[K_], buf[V_], KD, KD, kc, vc, write_slots, M, KV, D, D, S, bf16, cache_bf16);
+
+    float *q32 = (float *)buf[Q_], *o32 = (float *)buf[O32_];
+    void *o = o32;
+    if (bf16) { /* the attention takes fp32 queries and its output is rounded back */
+        q32 = (float *)buf[Q32_];
+        o = buf[O_];
+        for (long i = 0; i < M * QD; i++) q32[i] = load1(buf[Q_], i, 1);
+    }
+    /* the scale as kvlab.kernels.paged_attention passes it: 1 / sqrt(D) in double, then float */
+    if (kvlab_paged_attention(q32, kc, vc, cache_bf16, S, slots, L, seqs, starts, lengths, o32, M, H,
+                              KV, D, D, (float)(1.0 / sqrt((double)D)), threads)) {
+        free(arena);
+        return 1;
+    }
+    if (bf16)
+        for (long i = 0; i < M * QD; i++) store1(o, i, o32[i], 1);
+    lin(o, w[WO], w[BO], buf[A_], M, hidden, QD, threads, bf16);
+    kvlab_rms_norm(buf[A_], x, buf[X2_], w[NORM2], buf[H_], M, hidden, eps, bf16, threads);
+    lin(buf[H_], w[WG], w[BG], buf[G_], M, I, hidden, threads, bf16);
+    lin(buf[H_], w[WU], w[BU], buf[U_], M, I, hidden, threads, bf16);
+    kvlab_silu_mul(buf[G_], buf[U_], M * I, bf16, threads);
+    lin(buf[G_], w[WD], w[BD], buf[A_], M, hidden, I, threads, bf16);
+    for (long i = 0; i < M * hidden; i++)
+        store1(out, i, load1(buf[X2_], i, bf16) + load1(buf[A_], i, bf16), bf16);
+    free(arena);
+    return 0;
+}
