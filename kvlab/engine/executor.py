@@ -132,8 +132,10 @@ class Worker:
         device = self.model.device
         self.attn.prepare(step.spans, device)
         positions = torch.cat([torch.arange(a, b) for a, b in step.positions])
-        return self.model(torch.tensor(step.token_ids, device=device), positions.to(device), self.attn,
-                          torch.tensor(step.logits_rows, dtype=torch.long, device=device))
+        # every row in order (a decode-only step): None lets the last layer run whole, natively too
+        rows = (None if step.logits_rows == list(range(len(step.token_ids)))
+                else torch.tensor(step.logits_rows, dtype=torch.long, device=device))
+        return self.model(torch.tensor(step.token_ids, device=device), positions.to(device), self.attn, rows)
 
     def swap_out(self, copies: BlockCopies) -> None:
         assert self.cache is not None
