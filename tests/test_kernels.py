@@ -269,9 +269,15 @@ def test_the_native_decoder_layer_runs_only_where_every_op_is_native(monkeypatch
     layer = model.model.layers[0]
     x = torch.randn(3, model.spec.hidden_size)
     with torch.inference_mode():
-        weights = layer.native_weights(x)
-        assert weights is not None and len(weights) == 16
-        assert weights[2] is None and weights[9] is layer.post_attention_layernorm.weight  # no q bias here
+        packed = layer.native_weights(x)
+        assert packed is not None and len(packed.weights) == 16
+        assert packed.weights[2] is None and packed.weights[9] is layer.post_attention_layernorm.weight
+        # a replaced parameter, or one moved by a cast, is gathered again
+        layer.self_attn.k_proj.weight = torch.nn.Parameter(layer.self_attn.k_proj.weight.clone())
+        assert layer.native_weights(x).weights[3] is layer.self_attn.k_proj.weight
+        layer.mlp.up_proj.weight.data = layer.mlp.up_proj.weight.data.clone()
+        assert layer.native_weights(x) is None  # the call that notices
+        assert layer.native_weights(x).addresses[12] == layer.mlp.up_proj.weight.data_ptr()
         layer.mlp.down_proj.native_rows = 2
         assert layer.native_weights(x) is None
         layer.mlp.down_proj.native_rows = None

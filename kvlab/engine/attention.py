@@ -352,6 +352,7 @@ class InvariantAttention(PagedAttention):
     def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
         # laid out per group at its first layer, when the queries' dtype says which path runs
         self.spans, self.device, self.split_steps = spans, device, {}
+        self.layouts = {}
 
     def _group_step(self, layer_idx: int, native: bool) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
         gi = self.cache.group_of[layer_idx]
@@ -366,11 +367,13 @@ class InvariantAttention(PagedAttention):
         plain = self.cache.plain(layer_idx)
         if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
             return None
-        mapping, spans, rowwise = self._group_step(layer_idx, True)
-        if rowwise is None or spans:
-            return None
-        return kernels.RowsLayout(*plain, *_indices(mapping, rowwise.slots, rowwise.seqs, rowwise.starts,
-                                                    rowwise.lengths))
+        gi = self.cache.group_of[layer_idx]
+        if gi not in self.layouts:
+            mapping, spans, rowwise = self._group_step(layer_idx, True)
+            self.layouts[gi] = None if rowwise is None or spans else _indices(
+                mapping, rowwise.slots, rowwise.seqs, rowwise.starts, rowwise.lengths)
+        layout = self.layouts[gi]
+        return None if layout is None else kernels.RowsLayout(*plain, *layout)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plain = self.cache.plain(layer_idx)

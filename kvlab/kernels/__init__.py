@@ -306,21 +306,37 @@ class RowsLayout:
     lengths: Tensor
 
 
-def decoder_layer(x: Tensor, weights: list[Tensor | None], heads: int, kv_heads: int, eps: float,
+class LayerWeights:
+    """A decoder layer's weights for ``decoder_layer``: the input norm's, q, q bias, k, k bias, v,
+    v bias, o, o bias, the post-attention norm's, gate, gate bias, up, up bias, down, down bias
+    (None: no bias), with their addresses packed once for the call."""
+
+    def __init__(self, weights: list[Tensor | None]) -> None:
+        assert len(weights) == 16 and weights[10] is not None
+        self.weights = weights
+        self.addresses = [None if w is None else w.data_ptr() for w in weights]
+        self.pointers = (ctypes.c_void_p * 16)(*self.addresses)
+        self.inter = weights[10].shape[0]
+
+    def fit(self, dtype: torch.dtype) -> bool:
+        """All of this dtype, contiguous, and still where they were packed (``.to()`` moves them)."""
+        return all(w is None or (w.dtype == dtype and w.is_contiguous() and w.data_ptr() == a)
+                   for w, a in zip(self.weights, self.addresses))
+
+
+def decoder_layer(x: Tensor, weights: LayerWeights, heads: int, kv_heads: int, eps: float,
                   cos: Tensor, sin: Tensor, layout: RowsLayout) -> Tensor:
-    """A Llama-form decoder layer on x [M, hidden] (contiguous): ``weights`` are the input norm's,
-    q, q bias, k, k bias, v, v bias, o, o bias, the post-attention norm's, gate, gate bias, up,
-    up bias, down, down bias (None: no bias), all x's dtype (fp32 or bf16) and contiguous;
-    cos, sin [M, head_dim]. Writes the rows' K/V to the cache; returns the layer's output."""
+    """A Llama-form decoder layer on x [M, hidden] (contiguous; ``weights.fit(x.dtype)``, fp32 or
+    bf16); cos, sin [M, head_dim]. Writes the rows' K/V to the cache; returns the layer's
+    output."""
     lib = _load()[0]
     assert lib is not None
     m, hidden = x.shape
     kc, vc = layout.k_cache, layout.v_cache
-    ptrs = (ctypes.c_void_p * 16)(*(None if w is None else w.data_ptr() for w in weights))
     out = torch.empty_like(x)
     with _profiled("kvlab::decoder_layer"):
         failed = lib.kvlab_decoder_layer(
-            ptrs, m, hidden, heads, kv_heads, kc.shape[-1], weights[10].shape[0], eps,  # type: ignore[union-attr]
+            weights.pointers, m, hidden, heads, kv_heads, kc.shape[-1], weights.inter, eps,
             x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
             kc.shape[1] * kc.shape[2], int(kc.dtype == torch.bfloat16), layout.write_slots.data_ptr(),
             layout.slots.data_ptr(), layout.slots.shape[1], layout.seqs.data_ptr(), layout.starts.data_ptr(),

@@ -341,6 +341,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
+# Bumped whenever any module gains or replaces a parameter or a submodule, so that a decoder
+# layer's gathered native weights are known stale (torch's global registration hooks).
+_structure = [0]
+
+
+def _restructured(*_: object) -> None:
+    _structure[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_restructured)
+nn.modules.module.register_module_module_registration_hook(_restructured)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, layer_idx: int, spec: ModelSpec) -> None:
         super().__init__()
@@ -351,29 +364,41 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def native_weights(self, x: Tensor) -> list[Tensor | None] | None:
+    _native: tuple[int, tuple[Linear, ...], kernels.LayerWeights | None] | None = None
+
+    def native_weights(self, x: Tensor) -> kernels.LayerWeights | None:
         """The weights ``kvlab.kernels.decoder_layer`` takes, when it can run this layer on x
         exactly as these modules would: the native kernels serve every op at this many rows (no
-        packed copies, no tensor-parallel linears, no q/k norms, no autograd)."""
+        packed copies, no tensor-parallel linears, no q/k norms, no autograd). Gathered once and
+        again only when some module's parameters or submodules were replaced (``_structure``) or
+        a weight moved: collecting 16 parameters through ``nn.Module`` costs more per step than
+        the checks."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                   mlp.down_proj)
-        if attn.qk_norm or attn._qkv is not None or mlp._gate_up is not None or torch.is_grad_enabled():
+        if self._native is None or self._native[0] != _structure[0]:
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                       mlp.down_proj)
+            weights = None
+            if not attn.qk_norm and all(type(m) is Linear for m in linears):
+                weights = [self.input_layernorm.weight]
+                for m in linears:
+                    weights += [m.weight, m.bias]
+                    if m is attn.o_proj:
+                        weights.append(self.post_attention_layernorm.weight)
+            self._native = (_structure[0], linears, None if weights is None else kernels.LayerWeights(weights))
+        _, linears, packed = self._native
+        if packed is None or attn._qkv is not None or mlp._gate_up is not None or torch.is_grad_enabled():
             return None
-        rows = mlp.down_proj.native_rows
+        if any(m._packed is not None for m in linears):
+            return None
+        rows = linears[-1].native_rows
         if x.shape[0] > (kernels.max_rows(x.dtype, onednn_bf16_packing()) if rows is None else rows):
             return None
-        if any(type(m) is not Linear or m._packed is not None for m in linears):
+        if not packed.fit(x.dtype):
+            self._native = None  # moved or cast: gather again next time
             return None
-        weights = [self.input_layernorm.weight]
-        for m in linears:
-            weights += [m.weight, m.bias]
-            if m is attn.o_proj:
-                weights.append(self.post_attention_layernorm.weight)
-        if not all(w is None or (w.dtype == x.dtype and w.is_contiguous()) for w in weights):
-            return None
-        native = kernels.usable(x, attn.q_proj.weight, attn.q_proj.bias) and kernels.rowwise_usable(x)
-        return weights if native else None
+        weight, bias = packed.weights[1], packed.weights[2]
+        native = kernels.usable(x, weight, bias) and kernels.rowwise_usable(x)  # type: ignore[arg-type]
+        return packed if native else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 rows: Tensor | None = None) -> Tensor:
