@@ -6,7 +6,8 @@ back to back, written as one markdown table with the commands that produced it.
         --mix-input-len 16:64 --mix-output-len 4:8              # a quick check that every piece runs
 
 Each engine in its own process, one after another, on --threads cores:
-- kvlab: `kvlab bench` (default dtype, auto) and `kvlab bench --deterministic`, batch 1 and the mix;
+- kvlab: `kvlab bench` (default dtype and mode, auto) and the other mode (`--no-deterministic` where
+  the default is deterministic, else `--deterministic`), batch 1 and the mix;
   transformers through the default run's `--compare hf` (kvlab's weights in transformers' model,
   the same dtype, static batches: 1 for batch 1, the whole mix at once);
 - vLLM's CPU build: benchmarks/vllm_peer.py on the GGUF written as a safetensors folder by kvlab's
@@ -203,10 +204,10 @@ def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], prompt: int, o
                      f"| {cell(r.single, None)} | {cell(r.mix, b.mix)} |")
     for fmt, (b, _) in bounds.items():
         lines.append(f"| planner's bound, {fmt} weights | | {b.prefill:,.1f} | {b.decode:,.1f} | | {b.mix:,.1f} |")
-    kv, det = rows[0], rows[1]  # kvlab, then kvlab --deterministic
+    kv, det = rows[0], rows[1]  # kvlab's default, then its other mode
     lines += ["", f"Batch 1: one {prompt}-token prompt, {output} new tokens. Percentages: of the planner's "
               f"bound in the row's weight format. kvlab's dtype: {auto_why}. "
-              "kvlab --deterministic against the default: "
+              f"{det.engine} against the default: "
               f"prefill {det.prefill / kv.prefill - 1:+.1%}, decode {det.decode / kv.decode - 1:+.1%}, "
               f"mix {det.mix / kv.mix - 1:+.1%}.", "", "Commands:", ""]
     lines += [f"- {r.engine}, {r.weights}: " + "; ".join(f"`{c}`" for c in r.commands) for r in rows]
@@ -245,9 +246,12 @@ def main() -> int:
     bm, cm = kvlab_bench(many + ["--compare", "hf", "--hf-batch-size", str(args.num_requests)],
                          out / "kvlab-mix.json")
     dtype = b1["dtype"]
-    d1, dc1 = kvlab_bench(one + ["--deterministic"], out / "kvlab-det-b1.json")
-    dm, dcm = kvlab_bench(many + ["--deterministic"], out / "kvlab-det-mix.json")
-    for name, single, batch, cmds in (("kvlab", b1, bm, [c1, cm]), ("kvlab --deterministic", d1, dm, [dc1, dcm])):
+    # the other mode than the default's (auto turns deterministic mode on where it is free)
+    other = "--no-deterministic" if b1["deterministic"] else "--deterministic"
+    d1, dc1 = kvlab_bench(one + [other], out / "kvlab-other-b1.json")
+    dm, dcm = kvlab_bench(many + [other], out / "kvlab-other-mix.json")
+    mode = "deterministic" if b1["deterministic"] else "fast"
+    for name, single, batch, cmds in ((f"kvlab (default: {mode})", b1, bm, [c1, cm]), (f"kvlab {other}", d1, dm, [dc1, dcm])):
         rows.append(Row(name, f"{dtype} (auto)", dtype, args.input_len / single["ttft_first_s"],
                         single["decode_tokens_per_s"], single["output_tokens_per_s"], batch["output_tokens_per_s"],
                         cmds))
