@@ -24,13 +24,17 @@ from kvlab.engine.options import EngineOptions
 from kvlab.models import load
 from kvlab.sampling import SamplingParams
 
-# op name -> group; anything else is "other ops" (norms, RoPE, SiLU, adds, copies, sampling...)
+# op name -> group; anything else is "other ops" (norms, RoPE, SiLU, adds, copies, sampling...,
+# kvlab's row-wise kernels among them)
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
                "mkldnn::_linear_pointwise", "kvlab::linear"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
                   "aten::_softmax", "aten::softmax", "kvlab::paged_attention"),
-    "cache reads and writes": ("aten::index_select", "aten::index_put_", "aten::index_copy_", "aten::index"),
+    "cache reads and writes": ("aten::index_select", "aten::index_put_", "aten::index_copy_", "aten::index",
+                               "kvlab::store_kv"),
+    # kvlab.kernels.decoder_layer: a layer's matmuls, attention and small ops in one native call
+    "whole native layers": ("kvlab::decoder_layer",),
 }
 
 
