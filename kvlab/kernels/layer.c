@@ -22,6 +22,8 @@ void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, 
                       long K, int threads);
 void kvlab_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
                        long N, long K, int threads);
+void kvlab_linear_parts(const void *x, const kvlab_part *parts, int np, long M, long K, int threads,
+                        int bf16);
 void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, void *y, long M,
                     long D, float eps, int bf16, int threads);
 void kvlab_rope(void *x, long T, long H, long D, long stride, const void *cos, const void *sin,
@@ -63,9 +65,9 @@ int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long 
     for (int i = 0, at = 0; i < NBUF; at += (sizes[i] + 63) / 64 * 64, i++) buf[i] = arena + at;
 
     kvlab_rms_norm(x, NULL, NULL, w[NORM1], buf[H_], M, hidden, eps, bf16, threads);
-    lin(buf[H_], w[WQ], w[BQ], buf[Q_], M, QD, hidden, threads, bf16);
-    lin(buf[H_], w[WK], w[BK], buf[K_], M, KD, hidden, threads, bf16);
-    lin(buf[H_], w[WV], w[BV], buf[V_], M, KD, hidden, threads, bf16);
+    const kvlab_part qkv[] = {{w[WQ], w[BQ], buf[Q_], QD}, {w[WK], w[BK], buf[K_], KD},
+                              {w[WV], w[BV], buf[V_], KD}};
+    kvlab_linear_parts(buf[H_], qkv, 3, M, hidden, threads, bf16);
     kvlab_rope(buf[Q_], M, H, D, QD, cos, sin, bf16, threads);
     kvlab_rope(buf[K_], M, KV, D, KD, cos, sin, bf16, threads);
     kvlab_store_kv(buf[K_], buf[V_], KD, KD, kc, vc, write_slots, M, KV, D, D, S, bf16, cache_bf16);
@@ -87,8 +89,8 @@ int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long 
         for (long i = 0; i < M * QD; i++) store1(o, i, o32[i], 1);
     lin(o, w[WO], w[BO], buf[A_], M, hidden, QD, threads, bf16);
     kvlab_rms_norm(buf[A_], x, buf[X2_], w[NORM2], buf[H_], M, hidden, eps, bf16, threads);
-    lin(buf[H_], w[WG], w[BG], buf[G_], M, I, hidden, threads, bf16);
-    lin(buf[H_], w[WU], w[BU], buf[U_], M, I, hidden, threads, bf16);
+    const kvlab_part gate_up[] = {{w[WG], w[BG], buf[G_], I}, {w[WU], w[BU], buf[U_], I}};
+    kvlab_linear_parts(buf[H_], gate_up, 2, M, hidden, threads, bf16);
     kvlab_silu_mul(buf[G_], buf[U_], M * I, bf16, threads);
     lin(buf[G_], w[WD], w[BD], buf[A_], M, hidden, I, threads, bf16);
     for (long i = 0; i < M * hidden; i++)

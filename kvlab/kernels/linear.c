@@ -50,17 +50,26 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
         }
 }
 
-static inline __attribute__((always_inline)) void linear(const void *x, const void *w, const void *b,
-                                                         void *y, long M, long N, long K,
-                                                         int threads, const int bf16) {
+/* y_p = x w_p^T (+ b_p) for each part p sharing the input x: every part's weight tiles in one
+ * parallel loop, so the decoder layer's q/k/v (and gate/up) cost one OpenMP region, not three. */
+static inline __attribute__((always_inline)) void linear(const void *x, const kvlab_part *parts,
+                                                         int np, long M, long K, int threads,
+                                                         const int bf16) {
     const int nb = M == 1 ? 8 : 4; /* one row: more weight rows in flight per pass over x */
-    const long tiles = (N + nb - 1) / nb;
+    long first[KVLAB_MAX_PARTS + 1] = {0}; /* each part's first tile in the joint numbering */
+    for (int p = 0; p < np; p++) first[p + 1] = first[p] + (parts[p].N + nb - 1) / nb;
+    const long tiles = first[np];
     /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
     for (long block = 0; block < M; block += MBLOCK) {
         const long end = M - block < MBLOCK ? M : block + MBLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (long t = 0; t < tiles; t++) {
-            long n0 = t * nb, nn = N - n0 < nb ? N - n0 : nb, m0 = block;
+            int p = 0;
+            while (t >= first[p + 1]) p++;
+            const void *w = parts[p].w, *b = parts[p].b;
+            void *y = parts[p].y;
+            const long N = parts[p].N, n0 = (t - first[p]) * nb, nn = N - n0 < nb ? N - n0 : nb;
+            long m0 = block;
             if (M == 1) {
                 tile(x, w, b, y, 0, 1, n0, 8, nn, N, K, bf16);
                 continue;
@@ -72,12 +81,20 @@ static inline __attribute__((always_inline)) void linear(const void *x, const vo
     }
 }
 
+void kvlab_linear_parts(const void *x, const kvlab_part *parts, int np, long M, long K, int threads,
+                        int bf16) {
+    if (bf16) linear(x, parts, np, M, K, threads, 1);
+    else linear(x, parts, np, M, K, threads, 0);
+}
+
 void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
                       long K, int threads) {
-    linear(x, w, b, y, M, N, K, threads, 0);
+    const kvlab_part part = {w, b, y, N};
+    linear(x, &part, 1, M, K, threads, 0);
 }
 
 void kvlab_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
                        long N, long K, int threads) {
-    linear(x, w, b, y, M, N, K, threads, 1);
+    const kvlab_part part = {w, b, y, N};
+    linear(x, &part, 1, M, K, threads, 1);
 }
