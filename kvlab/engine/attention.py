@@ -188,19 +188,25 @@ class PagedAttention:
         self.layouts: dict[int, tuple[Tensor, ...] | None] = {}  # per group, at its first layer
 
     def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> kernels.RowsLayout | None:
-        """A decode-only step (one bucket, every row): see ``NativeAttention``."""
-        gi = self.cache.group_of[layer_idx]
+        """See ``NativeAttention``: the layout is built once per group and step."""
         plain = self.cache.plain(layer_idx)
         if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
             return None
+        gi = self.cache.group_of[layer_idx]
         if gi not in self.layouts:
-            step = self.steps[gi]
-            b = step.decodes[0] if len(step.decodes) == 1 and step.decodes[0].all_rows else None
-            self.layouts[gi] = None if b is None else _indices(
-                step.slot_mapping, b.key_slots, torch.arange(len(b.lengths)),
-                torch.zeros(len(b.lengths), dtype=torch.long), b.lengths)
+            self.layouts[gi] = self._native_indices(layer_idx)
         layout = self.layouts[gi]
         return None if layout is None else kernels.RowsLayout(*plain, *layout)
+
+    def _native_indices(self, layer_idx: int) -> tuple[Tensor, ...] | None:
+        """A decode-only step (one bucket, every row): its write slots, key slots, seqs, starts
+        and lengths."""
+        step = self.steps[self.cache.group_of[layer_idx]]
+        if len(step.decodes) != 1 or not step.decodes[0].all_rows:
+            return None
+        b = step.decodes[0]
+        return _indices(step.slot_mapping, b.key_slots, torch.arange(len(b.lengths)),
+                        torch.zeros(len(b.lengths), dtype=torch.long), b.lengths)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step = self.steps[self.cache.group_of[layer_idx]]
@@ -361,19 +367,13 @@ class InvariantAttention(PagedAttention):
                                                      self.cache.block_size, self.device, native)
         return self.split_steps[gi]
 
-    def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> kernels.RowsLayout | None:
+    def _native_indices(self, layer_idx: int) -> tuple[Tensor, ...] | None:
         """A step whose every row runs one by one through the native attention (no scored
-        spans): see ``NativeAttention``."""
-        plain = self.cache.plain(layer_idx)
-        if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
+        spans)."""
+        mapping, spans, rowwise = self._group_step(layer_idx, True)
+        if rowwise is None or spans:
             return None
-        gi = self.cache.group_of[layer_idx]
-        if gi not in self.layouts:
-            mapping, spans, rowwise = self._group_step(layer_idx, True)
-            self.layouts[gi] = None if rowwise is None or spans else _indices(
-                mapping, rowwise.slots, rowwise.seqs, rowwise.starts, rowwise.lengths)
-        layout = self.layouts[gi]
-        return None if layout is None else kernels.RowsLayout(*plain, *layout)
+        return _indices(mapping, rowwise.slots, rowwise.seqs, rowwise.starts, rowwise.lengths)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plain = self.cache.plain(layer_idx)

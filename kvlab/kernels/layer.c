@@ -18,10 +18,6 @@
 
 #include "simd.h"
 
-void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
-                      long K, int threads);
-void kvlab_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
-                       long N, long K, int threads);
 void kvlab_linear_parts(const void *x, const kvlab_part *parts, int np, long M, long K, int threads,
                         int bf16);
 void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, void *y, long M,
@@ -41,8 +37,8 @@ enum { NORM1, WQ, BQ, WK, BK, WV, BV, WO, BO, NORM2, WG, BG, WU, BU, WD, BD };
 
 static void lin(const void *x, const void *w, const void *b, void *y, long M, long N, long K,
                 int threads, int bf16) {
-    if (bf16) kvlab_linear_bf16(x, w, b, y, M, N, K, threads);
-    else kvlab_linear_f32(x, w, b, y, M, N, K, threads);
+    const kvlab_part part = {w, b, y, N};
+    kvlab_linear_parts(x, &part, 1, M, K, threads, bf16);
 }
 
 int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long KV, long D, long I,
