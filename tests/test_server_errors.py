@@ -60,6 +60,23 @@ def test_malformed_bodies(http):
     _error(http.post("/v1/completions", json={**OK, "prompt": [999]}), 400, "prompt")  # vocab is 320
 
 
+@pytest.mark.parametrize("message", [{"role": "user", "content": None}, {"role": "user"},
+                                     {"role": "system", "content": None}])
+def test_chat_message_without_content(http, message):
+    """OpenAI refuses a null user or system message (400); accepted, it would be an empty turn
+    that generates to the context limit when no max_tokens is given."""
+    body = {"model": MODEL_ID, "messages": [message]}
+    err = _error(http.post("/v1/chat/completions", json=body), 400, "messages.0.content")
+    assert f"a {message['role']} message needs content" in err["message"]
+
+
+def test_assistant_message_may_have_null_content(http):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "the cache holds"}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL_ID, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 def test_too_long_for_the_model(http, server):  # noqa: F811
     limit = server.bridge.max_model_len
     _error(http.post("/v1/completions", json={**OK, "prompt": [5] * (limit + 1)}), 400, "prompt",

@@ -16,7 +16,8 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvlab.sampling import MAX_LOGPROBS, SamplingParams
 from kvlab.server.errors import APIError
@@ -115,8 +116,20 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # validated when absent too: only an assistant message may come without content (OpenAI's
+    # rule; its null content goes with tool calls), else a null user message would be an empty
+    # prompt that generates to the context limit
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content, info: ValidationInfo):
+        role = info.data.get("role")  # absent when the role itself was invalid
+        if content is None and role not in (None, "assistant"):
+            raise PydanticCustomError("content_missing", "a {role} message needs content (a string or a "
+                                      "list of text parts), not null", {"role": role})
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
