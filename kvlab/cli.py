@@ -224,9 +224,11 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from kvlab.measure import measure
     from kvlab.models import load
 
+    from kvlab.progress import progress_bar
+
     loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed)
-    log = (lambda msg: None) if args.json else (lambda msg: print(f"… {msg}", file=sys.stderr, flush=True))
-    result = measure(loaded.model, args.contexts, args.new_tokens, args.prompt, progress=log)
+    with progress_bar("measure", enabled=not args.json) as report:
+        result = measure(loaded.model, args.contexts, args.new_tokens, args.prompt, progress=report)
     if args.plot:
         from kvlab.plots import plot_measurement
 
@@ -317,7 +319,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    print_demo(run_demo(args.model, max_tokens=args.max_tokens, tp=args.tp))
+    from kvlab.progress import progress_bar
+
+    with progress_bar("demo") as report:
+        demo = run_demo(args.model, max_tokens=args.max_tokens, tp=args.tp, progress=report)
+    print_demo(demo)
     return 0
 
 

@@ -18,6 +18,7 @@ from kvlab.engine.options import EngineOptions
 from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.models.loader import Loaded
 from kvlab.plan import PlanRequest, make_plan
+from kvlab.progress import Report, no_report
 from kvlab.sampling import SamplingParams
 
 SYSTEM = ("You are a concise assistant for engineers who serve large language models. Answer "
@@ -61,6 +62,7 @@ class Move:
     left: bool  # True: preempted; False: back in the cache
     how: str  # "swapped out to RAM" / "dropped, to recompute" / "swapped back in" / "recomputed"
     blocks: int  # blocks it held when it left (and gets back, copied or recomputed)
+    why: str  # what made it leave, or what let it come back
 
 
 @dataclass
@@ -71,6 +73,9 @@ class DemoReport:
     chats: list[Chat]
     moves: list[Move]
     steps: int
+    dtype: str  # the model's dtype and why (auto's choice or as asked)
+    deterministic: bool  # the engine's mode: batch-invariant kernels, or the fast ones
+    deterministic_why: str  # the flag, or auto's reason
     options: EngineOptions
     max_model_len: int  # longest conversation: prompt + max_tokens
     metrics: dict  # the engine's EngineMetrics plus kv_cache_bytes and kv_bytes_per_token
@@ -78,36 +83,70 @@ class DemoReport:
     plan_command: str  # the `kvlab plan` line that predicts them
 
 
-def _track(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list[Move], int]:
+def _chats(indices: list[int]) -> str:
+    names = [str(i + 1) for i in sorted(indices)]
+    return "chat " + names[0] if len(names) == 1 else "chats " + ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _track(llm: LLM, prompts: list[list[int]], params: SamplingParams, progress: Report
+           ) -> tuple[list, list[Move], int]:
     """Run the requests step by step; note each change of a chat's place (running, swapped,
-    waiting) from the scheduler's sequences, which the server's live view reads too."""
+    waiting) from the scheduler's sequences, which the server's live view reads too, with its
+    reason. Progress: answer tokens written (a finished chat counts its whole max_tokens)."""
     engine = llm.engine
+    kv = engine.kv
+    space = "disk" if engine.options.preemption == "swap-disk" else "RAM"
     rids = [engine.add_request(p, params) for p in prompts]
     chat = {rid: i for i, rid in enumerate(rids)}
+    total = len(prompts) * params.max_tokens
     final, moves, where, held, step = {}, [], {}, {}, 0
+    finished_since: list[int] = []  # chats that ended since the last step where one came back
+    what = f"answering {len(prompts)} chats"
+    progress(0, total, what)
     while engine.has_unfinished():
         step += 1
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-        for rid, seq in engine.scheduler.requests.items():
+                finished_since.append(chat[out.request_id])
+        seqs = engine.scheduler.requests
+        came_back = False
+        for rid, seq in seqs.items():
             status = seq.status.value
             blocks = sum(b != NULL_BLOCK for t in seq.block_tables for b in t)
             before = where.get(rid)
             if before == "running" and status != "running":
-                moves.append(Move(step, chat[rid], True, "swapped out to RAM" if status == "swapped"
-                                  else "dropped, to recompute", held[rid]))
+                why = "the running chats needed a new block, none was free, and it was admitted last"
+                if status == "swapped":
+                    how = f"swapped out to {space}"
+                else:
+                    how = "dropped, to recompute"
+                    if kv.num_host_blocks:  # a swap run: the swap space had no room for it
+                        on_host = [chat[r] for r, s in seqs.items() if s.status.value == "swapped"]
+                        why += (f"; the {space} swap space had only {len(kv.host_free[0])} of its "
+                                f"{kv.num_host_blocks} blocks free"
+                                + (f" ({_chats(on_host)} swapped there)" if on_host else "")
+                                + f", fewer than its {held[rid]}, so they were dropped, not copied")
+                moves.append(Move(step, chat[rid], True, how, held[rid], why))
             elif before in ("swapped", "waiting") and status == "running" and held.get(rid):
+                why = (f"{_chats(finished_since)} finished and freed blocks" if finished_since
+                       else "enough blocks were free again for its next chunk")
                 moves.append(Move(step, chat[rid], False, "swapped back in" if before == "swapped"
-                                  else "recomputed", held[rid]))
+                                  else "recomputed", held[rid], why))
+                came_back = True
             where[rid] = status
             if status == "running":
                 held[rid] = blocks
+        if came_back:
+            finished_since = []
+        written = params.max_tokens * len(final) + sum(len(seq.output_ids) for r, seq in seqs.items()
+                                                       if r not in final)
+        progress(written, total, what)
     return [final[rid] for rid in rids], moves, step
 
 
 def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 16,
-             preemption: str = "swap-ram", tp: int = 1) -> DemoReport:
+             preemption: str = "swap-ram", tp: int = 1, progress: Report = no_report) -> DemoReport:
     """Answer each question (greedy) with a cache that holds one whole conversation and a little
     more, so the others wait, share the system prompt's blocks, and get preempted as they grow.
     With ``tp`` > 1 the model runs on that many worker processes and the cache figures are each
@@ -126,7 +165,8 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
                             max_model_len=longest, tp=tp)
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, **vars(options))
     try:
-        outs, moves, steps = _track(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        outs, moves, steps = _track(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                    progress)
     finally:
         llm.close()
     cap = llm.capacity
@@ -139,7 +179,8 @@ def run_demo(model: str | None = None, max_tokens: int = 48, block_size: int = 1
         shared_tokens=len(os.path.commonprefix(prompts)),
         chats=[Chat(q, out.text, len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
                     out.num_preemptions) for q, out in zip(QUESTIONS, outs, strict=True)],
-        moves=moves, steps=steps, options=options, max_model_len=longest,
+        moves=moves, steps=steps, dtype=str(loaded.dtype), deterministic=bool(llm.engine.options.deterministic),
+        deterministic_why=llm.engine.deterministic_why, options=options, max_model_len=longest,
         metrics=vars(llm.metrics()) | {"kv_cache_bytes": cap.bytes, "kv_bytes_per_token": cap.bytes_per_token},
         predicted={"kv_cache_blocks": plan.kv_cache_blocks, "kv_cache_tokens": plan.kv_cache_tokens,
                    "max_concurrency": plan.max_concurrency, "kv_bytes_per_token": plan.kv_bytes_per_token_per_gpu},

@@ -16,21 +16,38 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from kvlab.generate import generate
+from kvlab.generate import Generation, generate
 from kvlab.models.attention import ContiguousKVCache
 from kvlab.models.llama import CausalLM
 from kvlab.plan import work_table
+from kvlab.progress import Report, no_report
 from kvlab.sampling import SamplingParams
 from kvlab.spec import ModelSpec
 
 _KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# A model pass's cost in prompt tokens' worth of time, beyond one unit per token it computes:
+# reading the weights once (on the bundled model a decode step takes about as long as a 16-token
+# prefill chunk's share). Progress is counted in these units so that its estimate holds for
+# prefills and decode steps alike.
+PASS_UNITS = 16
+
+
+def _pass_units(tokens: int) -> int:
+    return tokens + PASS_UNITS
+
+
+def _generation_units(prompt: int, new_tokens: int, use_cache: bool) -> int:
+    """Progress units of a greedy generation: the prompt's pass, then one pass per new token
+    after the first (one token each with the cache, the whole sequence without)."""
+    rest = range(1, new_tokens)
+    return _pass_units(prompt) + sum(_pass_units(1 if use_cache else prompt + i) for i in rest)
 
 
 @contextlib.contextmanager
@@ -200,18 +217,28 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+WARM_UP_TOKENS = 4
+
+
 @torch.inference_mode()
-def cache_vs_no_cache(model: CausalLM, prompt: int, new_tokens: Sequence[int]) -> list[CacheVsNoCache]:
-    """4. Greedy generation of N tokens with and without the cache."""
+def cache_vs_no_cache(model: CausalLM, prompt: int, new_tokens: Sequence[int],
+                      progress: Callable[[int], None] = lambda units: None) -> list[CacheVsNoCache]:
+    """4. Greedy generation of N tokens with and without the cache; ``progress(units)`` after
+    each model pass (see ``_generation_units``)."""
     ids = _prompt(model.spec, prompt).tolist()
-    generate(model, ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: one-time costs
+    # warm-up: one-time costs
+    generate(model, ids, SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True))
+    progress(_generation_units(prompt, WARM_UP_TOKENS, True))
     rows = []
     for n, work in zip(new_tokens, work_table(model.spec, prompt, tuple(new_tokens))):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         timed = {}
         for use_cache in (True, False):
-            t = time.perf_counter()
-            timed[use_cache] = (generate(model, ids, params, use_cache=use_cache), time.perf_counter() - t)
+            gen = Generation(model, ids, params, use_cache=use_cache)
+            for step, _ in enumerate(gen):  # its total_s leaves out the time spent here
+                progress(_pass_units(prompt if step == 0 else 1 if use_cache else prompt + step))
+            assert gen.result is not None
+            timed[use_cache] = (gen.result, gen.result.total_s)
         (with_c, t_c), (without, t_n) = timed[True], timed[False]
         rows.append(CacheVsNoCache(prompt, n, t_c, t_n, t_n / t_c, work["tokens_with_cache"],
                                    work["tokens_without_cache"], work["work_ratio"],
@@ -237,19 +264,31 @@ class Measurement:
 
 
 def measure(model: CausalLM, contexts: Sequence[int], new_tokens: Sequence[int], prompt: int = 128,
-            progress: Callable[[str], None] = lambda _: None) -> Measurement:
-    """All four measurements. Contexts beyond the model's maximum are an error."""
+            progress: Report = no_report) -> Measurement:
+    """All four measurements, reporting progress in model-pass units (``PASS_UNITS``). Contexts
+    beyond the model's maximum are an error."""
     limit = model.spec.max_position_embeddings
     if limit and max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} exceeds the model's maximum of {limit}")
     if limit and prompt + max(new_tokens) > limit:
         raise ValueError(f"prompt {prompt} + {max(new_tokens)} new tokens exceeds the model's maximum of {limit}")
-    progress(f"counting cache tensors after a {max(contexts)}-token prefill")
-    count = count_cache(model, max(contexts))
-    progress(f"cache bytes over contexts {', '.join(map(str, contexts))}")
+    longest = max(contexts)
+    total = (3 * _pass_units(longest) + sum(map(_pass_units, contexts))
+             + _generation_units(prompt, WARM_UP_TOKENS, True)
+             + sum(_generation_units(prompt, n, c) for n in new_tokens for c in (True, False)))
+    done = 0
+
+    def stage(what: str, units: int = 0) -> None:
+        nonlocal done
+        done += units
+        progress(done, total, what)
+    stage(f"counting cache tensors after a {longest}-token prefill")
+    count = count_cache(model, longest)
+    stage(f"cache bytes over contexts {', '.join(map(str, contexts))}", _pass_units(longest))
     slope = cache_slope(model, contexts)
-    progress(f"prefill memory at {max(contexts)} tokens, all logits vs last only")
-    prefill = prefill_memory(model, max(contexts))
-    progress(f"generation with vs without the cache, N = {', '.join(map(str, new_tokens))}")
-    rows = cache_vs_no_cache(model, prompt, new_tokens)
+    stage(f"prefill memory at {longest} tokens, all logits vs last only", sum(map(_pass_units, contexts)))
+    prefill = prefill_memory(model, longest)
+    what = f"generation with vs without the cache, N = {', '.join(map(str, new_tokens))}"
+    stage(what, 2 * _pass_units(longest))
+    rows = cache_vs_no_cache(model, prompt, new_tokens, lambda units: stage(what, units))
     return Measurement(model.name, _KV_DTYPE_NAMES[model.dtype], count, slope, prefill, rows)

@@ -257,6 +257,9 @@ def print_demo(d: DemoReport, console: Console | None = None) -> None:
     per_chat = -(-d.max_model_len // bs)
     c.print(f"[bold]kvlab demo[/]: the KV cache of {d.model} at work: {n} chats, greedy, "
             f"{d.steps} engine steps")
+    mode = ("deterministic (batch-invariant kernels: each answer is its solo run's)" if d.deterministic
+            else "fast kernels (a batched answer may differ from its solo run in the last bits)")
+    c.print(f"  [dim]model dtype[/] {d.dtype}; [dim]mode[/] {mode}, {d.deterministic_why}")
 
     c.rule("[bold]1. What was asked", align="left")
     c.print(f"Every chat opens with the same system prompt; through the chat template that is the same "
@@ -291,13 +294,16 @@ def print_demo(d: DemoReport, console: Console | None = None) -> None:
             f"chat needs a new block and none is free, it [bold]preempts[/] the chat admitted last: that "
             f"chat leaves the cache so the others can go on, and comes back when blocks free up.")
     c.print("  [bold]swap[/] (--preemption swap-ram or swap-disk): its blocks are copied to RAM or disk "
-            "(swapped out) and copied back (swapped in), nothing is computed again;")
+            "(swapped out) and copied back (swapped in), nothing is computed again; the swap space has "
+            "as many blocks as the cache, and a chat that no longer fits there is dropped and recomputed;")
     c.print("  [bold]recompute[/] (--preemption recompute): its blocks are dropped and its tokens computed "
             "again when it returns. Either way its answer is the same token for token.")
-    c.print(f"This run used [bold]{o.preemption}[/]:")
+    space = ("" if o.preemption == "recompute"
+             else f", a swap space of {m['kv_cache_blocks']:,} blocks in {o.preemption.removeprefix('swap-').upper()}")
+    c.print(f"This run used [bold]{o.preemption}[/]{space}:")
     for mv in d.moves:
         verb = "left" if mv.left else "came back"
-        c.print(f"  step {mv.step:>3}: chat {mv.chat + 1} {verb} ({mv.how}, {mv.blocks} blocks)")
+        c.print(f"  step {mv.step:>3}: chat {mv.chat + 1} {verb}, {mv.how} ({mv.blocks} blocks): {mv.why}")
     if not d.moves:
         c.print("  no chat had to leave (the cache was large enough)")
     c.print(f"{m['preemptions']} preemptions; {m['swapped_out_blocks']} block copies out and "

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvlab.cli import main
-from kvlab.measure import cache_slope, cache_vs_no_cache, count_cache, prefill_memory
+from kvlab.measure import cache_slope, cache_vs_no_cache, count_cache, measure, prefill_memory
 from kvlab.models.loader import build_model
 from kvlab.spec import spec_from_config
 from tests.conftest import llama_like
@@ -57,6 +57,18 @@ def test_cache_vs_no_cache_rows():
     assert [r.tokens_without_cache for r in rows] == [8 * 16 + 28, 16 * 16 + 120]
     assert all(r.identical_tokens == r.new_tokens for r in rows)  # fp32: no ties
     assert all(r.seconds_with_cache > 0 and r.seconds_without_cache > 0 for r in rows)
+
+
+def test_progress_runs_to_its_total():
+    """Every stage reports, the count only grows, and it ends exactly at the total it announced
+    (so the bar reaches its end and the estimate of the time left had the whole work to go by)."""
+    calls = []
+    measure(tiny_model(), [16, 32], [4, 8], prompt=8, progress=lambda *a: calls.append(a))
+    done = [d for d, _, _ in calls]
+    assert len({t for _, t, _ in calls}) == 1 and done == sorted(done)
+    assert done[0] == 0 and done[-1] == calls[0][1]
+    assert len({w for _, _, w in calls}) == 4  # the four measurements
+    assert len(calls) > 4 + 2 * (4 + 8)  # generation reports each model pass
 
 
 def test_cli_json_and_plot(tmp_path, capsys):
