@@ -345,16 +345,17 @@ def _budget_list(text: str) -> list[int | float]:
 def cmd_evict(args: argparse.Namespace) -> int:
     from kvlab.evaluate import evaluate, plot_rows, rows_json
     from kvlab.models import load
+    from kvlab.progress import progress_bar
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     loaded = load(args.model, args.dtype, device=args.device)
-    log = (lambda msg: None) if args.json else (lambda msg: print(f"… {msg}", file=sys.stderr, flush=True))
-    rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
-                    text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
-                    trials=args.trials, deterministic=args.deterministic, progress=log)
+    with progress_bar("evict", enabled=not args.json) as report:
+        rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
+                        text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
+                        trials=args.trials, deterministic=args.deterministic, progress=report)
     if args.plot:
         plot_rows(rows, args.plot)
     if args.json:

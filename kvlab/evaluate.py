@@ -38,12 +38,16 @@ from kvlab.eviction import EvictionPolicy
 from kvlab.models.attention import EvictingKVCache
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
+from kvlab.progress import Report, no_report
 from kvlab.sampling import SamplingParams
 
 DEFAULT_TEXT = PERSUASION
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+NEEDLE_TOKENS = 8  # answer tokens per needle trial
+
+Tick = Callable[[int], None]  # tick(tokens): that many more tokens went through the model
 
 
 @dataclass
@@ -83,16 +87,17 @@ def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_d
                deterministic=deterministic, preemption="swap-ram")
 
 
-def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
+def _peak(llm: LLM, run: Callable[[], None], tick: Tick) -> tuple[int, float]:
     """Run while watching the engine: (most blocks one sequence held after a step's eviction,
-    before finished requests let go of theirs; seconds)."""
+    before finished requests let go of theirs; seconds); ``tick`` the tokens of each step."""
     peak = 0
     scheduler = llm.engine.scheduler
     update = scheduler.update
 
-    def watched(*args, **kwargs):
+    def watched(out, *args, **kwargs):
         nonlocal peak
-        update(*args, **kwargs)
+        update(out, *args, **kwargs)
+        tick(sum(chunk.num_tokens for chunk in out.chunks))
         for seq in scheduler.running:
             peak = max(peak, sum(b != NULL_BLOCK for b in seq.block_tables[0]))
     scheduler.update = watched  # type: ignore[method-assign]
@@ -105,13 +110,14 @@ def _peak(llm: LLM, run: Callable[[], None]) -> tuple[int, float]:
 
 
 def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
-                      kv_dtype: str, block_size: int, chunk: int, deterministic: bool = True) -> EvictRow:
+                      kv_dtype: str, block_size: int, chunk: int, deterministic: bool = True,
+                      tick: Tick = lambda n: None) -> EvictRow:
     llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids), 1, deterministic)
     result = {}
 
     def run():
         result["out"] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
-    peak, seconds = _peak(llm, run)
+    peak, seconds = _peak(llm, run, tick)
     scored = [lp.logprob for lp in result["out"].prompt_logprobs if lp is not None]
     m = llm.metrics()
     return EvictRow("perplexity", policy.name, policy.budget, llm.capacity.kv_dtype,
@@ -122,7 +128,7 @@ def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int],
 
 @torch.inference_mode()
 def perplexity_loop(model: CausalLM, ids: list[int], policy: EvictionPolicy, chunk: int,
-                    renumber: bool = False) -> float:
+                    renumber: bool = False, tick: Tick = lambda n: None) -> float:
     """The same perplexity with token-granular eviction in the plain loop's compacting cache;
     ``renumber``: RoPE positions are places in the cache (StreamingLLM), not the text's."""
     held = policy.max_tokens_held(len(ids), len(ids), chunk, 1)
@@ -138,6 +144,7 @@ def perplexity_loop(model: CausalLM, ids: list[int], policy: EvictionPolicy, chu
         logp = torch.log_softmax(logits[:len(targets)], dim=-1)
         nll -= float(logp[torch.arange(len(targets)), torch.tensor(targets)].sum())
         count += len(targets)
+        tick(len(piece))
     return math.exp(nll / count)
 
 
@@ -158,15 +165,16 @@ def needle_prompts(tokenizer: TextTokenizer, ids: list[int], trials: int, seed: 
 
 
 def needle(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
-           kv_dtype: str, block_size: int, chunk: int, trials: int, deterministic: bool = True) -> EvictRow:
+           kv_dtype: str, block_size: int, chunk: int, trials: int, deterministic: bool = True,
+           tick: Tick = lambda n: None) -> EvictRow:
     prompts = needle_prompts(tokenizer, ids, trials)
     llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids) + 16, trials, deterministic)
     result = {}
 
     def run():
         result["outs"] = llm.generate([p for p, _ in prompts],
-                                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    peak, seconds = _peak(llm, run)
+                                      SamplingParams(temperature=0, max_tokens=NEEDLE_TOKENS, ignore_eos=True))
+    peak, seconds = _peak(llm, run, tick)
     hits = sum(key in out.text for (_, key), out in zip(prompts, result["outs"]))
     m = llm.metrics()
     return EvictRow("needle", policy.name, policy.budget, llm.capacity.kv_dtype, hits / trials, None,
@@ -178,28 +186,51 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
              budgets: list[int | float], kv_dtypes: list[str], *, text: str | Path | None = None,
              context: int = 2048, block_size: int = 16, chunk: int = 64, trials: int = 20,
              token_reference: bool = True, deterministic: bool = True,
-             progress: Callable[[str], None] = lambda s: None) -> list[EvictRow]:
-    """One row per policy x budget x KV dtype (``full`` once per dtype, its budget None)."""
+             progress: Report = no_report) -> list[EvictRow]:
+    """One row per policy x budget x KV dtype (``full`` once per dtype, its budget None);
+    progress in tokens through the model."""
     if task not in ("perplexity", "needle"):
         raise ValueError(f"--task is perplexity or needle, not {task!r}")
     ids = text_ids(tokenizer, text, context)
     configs = [EvictionPolicy(p, b) for p in policies for b in ([None] if p == "full" else budgets)]
     for c in configs:
         c.check_unit(block_size)
+    def loops(policy: EvictionPolicy, kv_dtype: str) -> tuple[bool, ...]:
+        """The plain-loop references of a perplexity row: renumber False, then True."""
+        if not token_reference or kv_dtype not in ("auto", "fp32"):
+            return ()
+        return (False, True) if policy.active and policy.name != "snapkv" else (False,)
+
+    def units(policy: EvictionPolicy, kv_dtype: str) -> int:
+        if task == "needle":  # each prompt is about len(ids) tokens
+            return trials * (len(ids) + NEEDLE_TOKENS)
+        return len(ids) * (1 + len(loops(policy, kv_dtype)))
+    total = sum(units(p, d) for d in kv_dtypes for p in configs)
+    done, what = 0, ""
+
+    def tick(tokens: int) -> None:
+        nonlocal done
+        done = min(total, done + tokens)
+        progress(done, total, what)
     rows = []
     for kv_dtype in kv_dtypes:
         for policy in configs:
-            progress(f"{task}: {policy.name} {policy.budget or ''} {kv_dtype}")
+            end = done + units(policy, kv_dtype)
+            what = f"{task}, {policy.name}{f' {policy.budget}' if policy.budget else ''}, KV {kv_dtype}"
+            tick(0)
             if task == "perplexity":
                 row = perplexity_engine(model, tokenizer, ids, policy, kv_dtype, block_size, chunk,
-                                        deterministic)
-                if token_reference and kv_dtype in ("auto", "fp32"):
-                    row.quality_token = perplexity_loop(model, ids, policy, chunk)
-                    if policy.active and policy.name != "snapkv":
-                        row.quality_token_renumbered = perplexity_loop(model, ids, policy, chunk, renumber=True)
+                                        deterministic, tick)
+                for renumber in loops(policy, kv_dtype):
+                    ppl = perplexity_loop(model, ids, policy, chunk, renumber, tick)
+                    if renumber:
+                        row.quality_token_renumbered = ppl
+                    else:
+                        row.quality_token = ppl
             else:
                 row = needle(model, tokenizer, ids, policy, kv_dtype, block_size, chunk, trials,
-                             deterministic)
+                             deterministic, tick)
+            tick(max(0, end - done))  # the row's whole share, whatever its steps counted
             rows.append(row)
     return rows
 

@@ -333,14 +333,17 @@ def print_evict(rows: list, model: str, context: int, console: Console | None = 
     """The eviction table: quality beside the bytes kept and the blocks given back."""
     c = console or Console(width=max(Console().width, 110))
     task = rows[0].task if rows else "perplexity"
-    t = Table(title=f"kvlab evict: {task} on {model}, {context:,} tokens", title_justify="left")
-    quality = "perplexity (blocks)" if task == "perplexity" else "needle accuracy"
+    t = Table(title=f"kvlab evict: {task} on {model}, {context:,} tokens", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    # headers on two lines, and never narrower than their longest word or a cell, which stay whole
+    quality = "perplexity\n(blocks)" if task == "perplexity" else "needle\naccuracy"
     cols = ["policy", "budget", "KV dtype", quality]
     if task == "perplexity":
-        cols += ["perplexity (tokens)", "(tokens, renumbered)"]
-    cols += ["KV kept / seq", "blocks freed", "tokens evicted", "time"]
+        cols += ["perplexity\n(tokens)", "(tokens,\nrenumbered)"]
+    cols += ["KV kept\n/ seq", "blocks\nfreed", "tokens\nevicted", "time"]
     for col in cols:
-        t.add_column(col, justify="left" if col in ("policy", "KV dtype") else "right")
+        t.add_column(col, justify="left" if col in ("policy", "KV dtype") else "right", no_wrap=True,
+                     min_width=max(len(w) for w in col.split()))
     for r in rows:
         q = "n/a" if r.quality is None else (f"{r.quality:.2f}" if task == "perplexity"
                                             else f"{r.quality:.0%} of {r.trials}")
