@@ -160,6 +160,34 @@ def test_tiny_gguf_config_tokenizer_and_template(tmp_path):
     assert loaded.tokenizer.decode(chat) == "<user>hi<assistant>"
 
 
+def test_reader_reads_the_fields_the_package_reads(tmp_path):
+    """kvlab's one-pass reading of string and number arrays builds exactly the package's fields:
+    the same parts (dtypes and bytes), indices, types and contents, and the same tensors."""
+    from kvlab.gguf import GGUFFile
+
+    folder = make_checkpoint(tmp_path / "hf", "llama")
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(folder, path, "llama", Q.Q8_0, chat_template="{{ messages }}")
+    w = gguf.GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
+    w.add_array("test.floats", [0.5, -2.0, 3.25])
+    w.add_array("test.empty", [])
+    w.add_array("test.strings", ["", "ż", "two words"])
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (path, tmp_path / "arrays.gguf"):
+        ours, theirs = GGUFFile(file).reader, gguf.GGUFReader(str(file))
+        assert list(ours.fields) == list(theirs.fields)
+        for key, want in theirs.fields.items():
+            got = ours.fields[key]
+            assert (got.offset, got.data, got.types) == (want.offset, want.data, want.types), key
+            assert [(p.dtype, p.tobytes()) for p in got.parts] == [(p.dtype, p.tobytes()) for p in want.parts], key
+            assert got.contents() == want.contents(), key
+        assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+
+
 def test_bad_gguf_files_give_one_line(tmp_path, capsys):
     folder = make_checkpoint(tmp_path / "hf", "llama")
     good = tmp_path / "m.gguf"
