@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import TYPE_CHECKING
+
+_IMPORTED = time.perf_counter()  # the first command's start-up counts its imports too
+_started: list[float] = []  # when each call of main() began; the first one: at _IMPORTED
 
 from kvlab.dtypes import MODEL_DTYPE_HELP
 from kvlab.engine.options import byte_size, check_torchrun_tp, positive_int, torchrun_rank
@@ -157,11 +161,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                   args.device, args.json)
     else:
         gen = Generation(loaded.model, prompt_ids, params, tok, use_cache=not args.no_cache)
+        load_s = time.perf_counter() - _started[-1]
         for delta in gen:
             if not args.json:
                 print(delta.text, end="", flush=True)
         assert gen.result is not None
         result = gen.result
+        result.load_s = load_s
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
                           "dtype_why": loaded.dtype.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
@@ -179,8 +185,6 @@ def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, d
     with the batch-invariant kernels, so the answer is the one a --deterministic server gives
     under any load), with a cache of just the blocks it needs; the same figures as the plain
     loop's, the KV bytes being one rank's."""
-    import time
-
     from kvlab.engine.llm import LLM
     from kvlab.engine.sizing import cdiv
     from kvlab.generate import GenerationResult, check_length
@@ -205,7 +209,7 @@ def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, d
     new = len(out.token_ids)
     return GenerationResult(out.text, out.token_ids, out.finish_reason, len(prompt_ids), new, first - start,
                             (new - 1) / (end - first) if new > 1 else 0.0, end - start,
-                            llm.capacity.bytes, True)
+                            llm.capacity.bytes, True, load_s=start - _started[-1])
 
 
 # --- measure -----------------------------------------------------------------------------------
@@ -550,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvlab.spec import ConfigError
 
     warnings.showwarning = _show_warning  # one plain line, no source location
+    _started.append(time.perf_counter() if _started else _IMPORTED)
 
     try:
         args = build_parser().parse_args(argv)

@@ -48,6 +48,7 @@ class GenerationResult:
     total_s: float
     kv_bytes: int  # bytes of the cache tensors held (0 without a cache)
     use_cache: bool
+    load_s: float | None = None  # a command's start-up before the first step (imports, model, tokenizer)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,8 +57,9 @@ class GenerationResult:
         """One short line for the terminal."""
         tps = f"{self.decode_tokens_per_s:.1f} tok/s" if self.new_tokens > 1 else "- tok/s"
         kv = f"KV {self.kv_bytes:,} B held" if self.use_cache else "no KV cache (recomputed)"
+        load = f"load {self.load_s:.1f} s, " if self.load_s is not None else ""
         return (f"prompt {self.prompt_tokens} tok, new {self.new_tokens} tok, "
-                f"TTFT {self.ttft_s * 1000:.0f} ms, {tps}, total {self.total_s:.2f} s, {kv}")
+                f"TTFT {self.ttft_s * 1000:.0f} ms, {tps}, {load}total {self.total_s:.2f} s, {kv}")
 
 
 def check_length(model: CausalLM, prompt_tokens: int, max_tokens: int) -> None:

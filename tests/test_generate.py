@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -211,12 +213,17 @@ def test_cli_generate_streams_text_and_figures(ckpt, capsys):
     last = err.strip().splitlines()[-1]
     assert f"prompt {expected.prompt_tokens} tok" in last
     assert "new 6 tok" in last and "TTFT" in last and "tok/s" in last and "KV" in last
+    assert re.search(r"load \d+\.\d s, total", last)  # the start-up, beside the generation's time
 
 
 def test_cli_generate_json_and_no_cache(ckpt, capsys):
     args = ["generate", str(ckpt), "the cache", "--max-tokens", "7", "--json", "--dtype", "fp32"]
+    called = time.perf_counter()
     assert main(args) == 0
+    returned = time.perf_counter()
     cached = json.loads(capsys.readouterr().out)
+    # the start-up of this call (not of the process that imported kvlab earlier), before the steps
+    assert 0 < cached["load_s"] and cached["load_s"] + cached["total_s"] <= returned - called
     assert main(args + ["--no-cache"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert len(cached["token_ids"]) == cached["new_tokens"] == 7

@@ -72,9 +72,12 @@ def check_supported(spec: ModelSpec) -> None:
 
 
 def inv_frequencies(cfg: dict[str, Any], head_dim: int) -> Tensor:
-    """RoPE inverse frequencies (float32), as Hugging Face computes them for each rope_type."""
+    """RoPE inverse frequencies (float32, on the CPU), as Hugging Face computes them for each
+    rope_type. On the CPU even while a model is built on the meta device: meta ops here would
+    import torch._dynamo (1 s per start)."""
     p = rope_parameters(cfg)
-    inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv = 1.0 / (p["rope_theta"] ** (positions.float() / head_dim))
     if p["rope_type"] == "linear":
         return inv / p["factor"]
     if p["rope_type"] == "llama3":
@@ -420,7 +423,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # weights come from the checkpoint or init_random_: an uninitialised table, because
+        # nn.Embedding's own init on the meta device imports torch._dynamo (1.1 s per start)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(i, spec) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.config.get("rms_norm_eps", 1e-6))
 
