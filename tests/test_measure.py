@@ -88,3 +88,23 @@ def test_cli_rejects_context_beyond_model(tmp_path, capsys):
     cfg.write_text(json.dumps(llama_like(**TINY)))
     assert main(["measure", str(cfg), "--random-weights", "--contexts", "1024"]) == 2
     assert "exceeds the model's maximum" in capsys.readouterr().err
+
+
+def test_plot_labels_stay_inside_their_axes():
+    """The ratio written above each no-cache point lies inside the plot, clear of the tick labels
+    and the title (it used to sit over the y ticks and above the axes)."""
+    from kvlab.measure import measure
+    from kvlab.plots import measurement_figure
+
+    m = measure(tiny_model(), [16, 32], [4, 8, 16], prompt=8)
+    fig = measurement_figure(m)
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[1]
+    box = ax.get_window_extent(renderer)
+    labels = ax.texts
+    assert len(labels) == 3
+    for text in labels:
+        t = text.get_window_extent(renderer)
+        assert box.x0 <= t.x0 and t.x1 <= box.x1 and box.y0 <= t.y0 and t.y1 <= box.y1, text.get_text()
+    ticks = [label.get_window_extent(renderer) for label in ax.get_yticklabels() if label.get_text()]
+    assert not any(t.overlaps(label.get_window_extent(renderer)) for t in ticks for label in labels)
