@@ -81,6 +81,18 @@ def test_served_model_is_named(page, api):
     assert served["id"] in _text(page, "served") and f"{served['num_blocks']:,} KV blocks" in _text(page, "served")
 
 
+def test_first_view_opens_on_a_generation(page, api):
+    """Nothing to click first: the page opens on its example prompt stepped through on the
+    served model, the same run the API gives for that prompt."""
+    prompt = page.input_value('#steps-form input[name="prompt"]')
+    n = int(page.input_value('#steps-form input[name="max_tokens"]'))
+    ref = api.post("/api/steps", json={"prompt": prompt, "max_tokens": n}).json()
+    assert page.locator("#steps-out").is_visible()
+    assert _text(page, "step-label").startswith(f"step 1 of {len(ref['steps'])}: generated")
+    assert page.locator('[data-testid="cache-tokens"] .tok').count() == len(ref["prompt"]) + len(ref["steps"])
+    assert f"{ref['totals']['cache']} tokens processed with the cache" in _text(page, "steps-summary")
+
+
 def test_step_through_shows_what_each_side_computes(page, api):
     prompt, n = "the cache holds keys", 5
     ref = api.post("/api/steps", json={"prompt": prompt, "max_tokens": n}).json()
@@ -88,7 +100,9 @@ def test_step_through_shows_what_each_side_computes(page, api):
     page.fill('#steps-form input[name="prompt"]', prompt)
     page.fill('#steps-form input[name="max_tokens"]', str(n))
     page.click('#steps-form button[type="submit"]')
-    page.wait_for_selector("#steps-out:not([hidden])")
+    # the first view's own run is drawn already: wait for this one's
+    page.wait_for_function(f"() => document.querySelector('[data-testid=step-label]').textContent"
+                           f".startsWith('step 1 of {n}:')")
     cache_row, plain_row = (page.locator(f'[data-testid="{t}"]') for t in ("cache-tokens", "nocache-tokens"))
     for k, step in enumerate(ref["steps"]):
         if k:

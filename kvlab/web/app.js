@@ -133,7 +133,7 @@ async function loadOptions() {
 
 // --- 1. step through ---------------------------------------------------------------------------
 
-const steps = { data: null, marker: { x: null, label: "", color: "#2b8a3e" } };
+const steps = { data: null, runs: 0, marker: { x: null, label: "", color: "#2b8a3e" } };
 
 function drawStep(i) {
   const d = steps.data;
@@ -181,10 +181,14 @@ function drawChoice(st) {
   box.replaceChildren(head, ...rows);
 }
 
-async function runSteps(ev) {
-  ev.preventDefault();
-  const f = new FormData(ev.target);
-  steps.data = await api("/api/steps", { prompt: f.get("prompt"), max_tokens: Number(f.get("max_tokens")) });
+// The form's prompt through /api/steps; only the latest run is drawn (the first view's own run
+// may still be on its way when the person asks for another).
+async function runSteps() {
+  const f = new FormData($("#steps-form"));
+  const run = ++steps.runs;
+  const data = await api("/api/steps", { prompt: f.get("prompt"), max_tokens: Number(f.get("max_tokens")) });
+  if (run !== steps.runs) return;
+  steps.data = data;
   const d = steps.data;
   $("#steps-out").hidden = false;
   $("#step-slider").max = d.steps.length - 1;
@@ -496,9 +500,16 @@ function show(view) {
   if (view === "crossover" && $("#crossover-out").hidden) guarded(runCrossover);
 }
 
+// The pickers, then the first view filled at once: its example prompt stepped through on the
+// served model (about a second), so the page opens on a real generation, not an empty form.
+async function firstView() {
+  await loadOptions();
+  await runSteps();
+}
+
 async function main() {
   for (const b of $$("nav button")) b.addEventListener("click", () => show(b.dataset.view));
-  $("#steps-form").addEventListener("submit", (ev) => guarded(() => runSteps(ev)));
+  $("#steps-form").addEventListener("submit", (ev) => { ev.preventDefault(); guarded(runSteps); });
   $("#step-slider").addEventListener("input", (ev) => drawStep(Number(ev.target.value)));
   $("#step-prev").addEventListener("click", () => drawStep(Math.max(0, Number($("#step-slider").value) - 1)));
   $("#step-next").addEventListener("click", () => drawStep(Math.min(steps.data.steps.length - 1, Number($("#step-slider").value) + 1)));
@@ -513,9 +524,9 @@ async function main() {
     ev.preventDefault();
     sessionStorage.setItem(KEY_ITEM, new FormData(ev.target).get("key"));
     ev.target.hidden = true;
-    guarded(loadOptions);
+    guarded(firstView);
   });
-  await guarded(loadOptions);
+  await guarded(firstView);
   crossoverInputs($("#crossover-form"));
   document.body.dataset.ready = "true";
 }
