@@ -257,9 +257,11 @@ def print_demo(d: DemoReport, console: Console | None = None) -> None:
     per_chat = -(-d.max_model_len // bs)
     c.print(f"[bold]kvlab demo[/]: the KV cache of {d.model} at work: {n} chats, greedy, "
             f"{d.steps} engine steps")
-    mode = ("deterministic (batch-invariant kernels: each answer is its solo run's)" if d.deterministic
-            else "fast kernels (a batched answer may differ from its solo run in the last bits)")
-    c.print(f"  [dim]model dtype[/] {d.dtype}; [dim]mode[/] {mode}, {d.deterministic_why}")
+    mode = (f"deterministic ({d.deterministic_why}): batch-invariant kernels, each answer is its solo run's"
+            if d.deterministic else f"fast kernels ({d.deterministic_why}): a batched answer may differ from "
+            "its solo run in the last bits")
+    c.print(f"  model dtype: {d.dtype}")
+    c.print(f"  mode: {mode}")
 
     c.rule("[bold]1. What was asked", align="left")
     c.print(f"Every chat opens with the same system prompt; through the chat template that is the same "

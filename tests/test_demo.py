@@ -72,8 +72,8 @@ def test_cli_demo_tells_the_story(tmp_path, capsys):
     assert SYSTEM in out and all(q in out for q in QUESTIONS)
     assert "preempts" in out and "swapped out" in out and "recompute" in out
     # the run says what it ran: dtype, mode, the swap space, and why each chat left
-    assert f"model dtype {load(folder).dtype}" in out
-    assert "mode deterministic" in out or "mode fast kernels" in out
+    assert f"model dtype: {load(folder).dtype}" in out
+    assert "mode: deterministic (auto: " in out or "mode: fast kernels (auto: " in out
     assert "This run used swap-ram, a swap space of" in out and "it was admitted last" in out
     assert "KV bytes per token" in out and "engine (measured)" in out and "kvlab plan (predicted)" in out
     assert "B/token" not in out  # one unit per row, both columns
