@@ -227,7 +227,6 @@ def _int_list(text: str) -> list[int]:
 def cmd_measure(args: argparse.Namespace) -> int:
     from kvlab.measure import measure
     from kvlab.models import load
-
     from kvlab.progress import progress_bar
 
     loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed)
