@@ -268,8 +268,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.engine.options import EngineOptions
     from kvlab.models import load
-    from kvlab.models.llama import onednn_bf16_packing
-
     if args.threads:
         import torch
 
@@ -290,7 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     result.dtype_why = loaded.dtype.why
-    result.linear_kernel = kernels.describe(model.dtype, result.deterministic, onednn_bf16_packing())
+    result.linear_kernel = kernels.describe(model.dtype, result.deterministic)
     add_compute_bound(result, model)
     if options.tp > 1:
         ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None
