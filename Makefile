@@ -35,5 +35,7 @@ setup: $(BIN)/kvlab
 demo: setup
 	$(BIN)/kvlab demo
 
+# the suite, then its CPU-sensitive tests once per CPU-dependent path turned off (kvlab/dispatch.py)
 test: setup $(BROWSER)
 	KVLAB_NO_BROWSER=$(NO_BROWSER) $(BIN)/pytest
+	PY=$(BIN)/python scripts/test_dispatch.sh

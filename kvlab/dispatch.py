@@ -49,7 +49,7 @@ def onednn_bf16() -> Feature:
     """Does oneDNN pack and multiply bf16 weights here? One probe per process (it needs torch,
     imported only now so the planner never pays for it)."""
     if switched_off("KVLAB_ONEDNN_BF16"):
-        return Feature("KVLAB_ONEDNN_BF16", False, "off (KVLAB_ONEDNN_BF16=off)")
+        return Feature("KVLAB_ONEDNN_BF16", False, "KVLAB_ONEDNN_BF16=off")
     import torch
 
     if not torch.backends.mkldnn.is_available():
@@ -69,7 +69,8 @@ def native_kernels() -> Feature:
     from kvlab import kernels
 
     status = kernels.status()
-    return Feature("KVLAB_KERNELS", status.available, status.detail)
+    why = "KVLAB_KERNELS=off" if switched_off("KVLAB_KERNELS") else status.detail
+    return Feature("KVLAB_KERNELS", status.available, why)
 
 
 def report() -> list[Feature]:

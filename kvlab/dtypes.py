@@ -113,6 +113,6 @@ def matrix_bytes(dtype: StorageDtype, rows: int, cols: int) -> int:
 
 # --dtype of the commands that run a model by default in "auto" (kvlab.models.loader.choose_dtype);
 # here, free of torch, so that flag parsing stays fast
-MODEL_DTYPE_HELP = ("auto (default: the checkpoint's values exactly. On a CPU bf16 for bf16 weights where "
-                    "oneDNN has bf16 kernels, else fp32, which holds fp16, bf16 and GGUF-quantised values "
-                    "exactly; on a GPU fp16 for fp16 weights, else bf16), fp32, bf16 or fp16")
+MODEL_DTYPE_HELP = ("auto (default: the checkpoint's values exactly and the same tokens on every CPU: fp32 on "
+                    "a CPU, which holds fp16, bf16 and GGUF-quantised values exactly; on a GPU fp16 for fp16 "
+                    "weights, else bf16), fp32, bf16 (faster on CPUs with oneDNN's bf16 kernels) or fp16")

@@ -25,10 +25,13 @@ def test_the_kernel_builds_here_or_says_why():
     import platform
     import shutil
 
+    from kvlab import dispatch
+
     s = kernels.status()
     can = (platform.machine().lower() in ("x86_64", "amd64")
            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-           and (shutil.which("cc") or shutil.which("gcc")) is not None)
+           and (shutil.which("cc") or shutil.which("gcc")) is not None
+           and not dispatch.switched_off("KVLAB_KERNELS"))
     assert s.available == can, s.detail
     assert s.detail
 
@@ -103,9 +106,12 @@ def run_status(env: dict) -> str:
 
 
 def test_off_or_a_failed_build_falls_back_to_pytorch_and_says_why(tmp_path):
-    assert "KVLAB_KERNELS=off" in run_status({"KVLAB_KERNELS": "off"})
+    said = run_status({"KVLAB_KERNELS": "off"})
+    assert "linear layers run on PyTorch's matmul: off (KVLAB_KERNELS=off)" in said
+    assert "  KVLAB_KERNELS: off (KVLAB_KERNELS=off)" in said and "KVLAB_ONEDNN_BF16: " in said
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        said = run_status({"CC": "false", "XDG_CACHE_HOME": str(tmp_path)})  # a compiler that fails
+        said = run_status({"CC": "false", "XDG_CACHE_HOME": str(tmp_path),  # a compiler that fails
+                           "KVLAB_KERNELS": "on"})
         assert "PyTorch's matmul: false failed" in said
         assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("tmp*"))
 

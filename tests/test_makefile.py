@@ -35,7 +35,13 @@ def test_make_test_announces_the_chromium_install():
 def test_no_browser_installs_nothing_and_tells_pytest():
     plan = _dry_run("NO_BROWSER=1")
     assert "apt-get" not in plan
-    assert "KVLAB_NO_BROWSER=1" in plan and plan.rstrip().endswith("pytest")
+    assert "KVLAB_NO_BROWSER=1" in plan and "pytest" in plan
+
+
+def test_make_test_ends_with_the_dispatch_run():
+    """The CPU-sensitive tests run again per switch after the suite (CI runs `make test`)."""
+    lines = _dry_run("NO_BROWSER=1").rstrip().splitlines()
+    assert "pytest" in lines[-2] and lines[-1].endswith("scripts/test_dispatch.sh")
 
 
 def _collect_browser_tests(**env: str) -> subprocess.CompletedProcess:

@@ -205,9 +205,10 @@ def test_dtype_choice_and_default(tmp_path):
     assert load(folder, "fp32").model.dtype == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         load(folder, "int3")
-    # a bf16 checkpoint runs in bf16 exactly where oneDNN's bf16 kernels run (this CPU's probe)
+    # a bf16 checkpoint runs in fp32 (exact) on every CPU; --dtype bf16 where it is faster
     bf16 = load(bf16_checkpoint(tmp_path / "bf16"))
-    assert bf16.model.dtype == (torch.bfloat16 if dispatch.onednn_bf16() else torch.float32)
+    assert bf16.model.dtype == torch.float32 and bf16.dtype.why.startswith("auto: bf16 weights, exact in fp32")
+    assert ("--dtype bf16 runs faster here" in bf16.dtype.why) is bool(dispatch.onednn_bf16())
 
 
 def test_stored_format_of_each_kind_of_checkpoint(tmp_path):
@@ -225,17 +226,17 @@ def test_stored_format_of_each_kind_of_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("onednn", [True, False])
 def test_auto_dtype_rule(onednn, monkeypatch):
-    """auto keeps the checkpoint's values exactly: bf16 only for bf16 weights where oneDNN's bf16
-    kernels run, fp32 for everything else on a CPU (both branches, whatever this CPU has); on a
-    GPU fp16 for fp16 weights, else bf16. Each choice says why."""
+    """auto keeps the checkpoint's values exactly and the same tokens on every CPU: fp32 for every
+    stored format on a CPU, with or without oneDNN's bf16 kernels (both branches, whatever this
+    CPU has); on a GPU fp16 for fp16 weights, else bf16. Each choice says why."""
     feature = dispatch.Feature("KVLAB_ONEDNN_BF16", onednn, "probe" if onednn else "no kernels here")
     monkeypatch.setattr(dispatch, "onednn_bf16", lambda: feature)
-    for stored, want in (("bf16", torch.bfloat16 if onednn else torch.float32), ("fp32", torch.float32),
-                         ("fp16", torch.float32), ("Q4_1", torch.float32), ("Q8_0", torch.float32)):
+    for stored in ("bf16", "fp32", "fp16", "Q4_1", "Q8_0"):
         cpu = choose_dtype("auto", "cpu", stored)
-        assert cpu.dtype == want and cpu.why.startswith(f"auto: {stored} weights") and cpu.name in str(cpu)
+        assert cpu.dtype == torch.float32 and cpu.why.startswith(f"auto: {stored} weights") and cpu.name in str(cpu)
     assert "exact in fp32 (bf16 would round them)" in choose_dtype("auto", "cpu", "Q4_1").why
     assert ("no kernels here" in choose_dtype("auto", "cpu", "bf16").why) is not onednn
+    assert ("--dtype bf16 runs faster here" in choose_dtype("auto", "cpu", "bf16").why) is onednn
     for stored, want in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("Q4_1", torch.bfloat16)):
         gpu = choose_dtype("auto", "cuda:0", stored)  # no GPU needed: the rule reads the device's kind
         assert gpu.dtype == want and "cuda" in gpu.why
@@ -248,12 +249,13 @@ def test_auto_dtype_rule(onednn, monkeypatch):
         choose_dtype(torch.int8)
 
 
-def test_auto_picks_bf16_exactly_where_bf16_weights_get_packed(tmp_path):
-    """The real probe, on this CPU: auto's bf16 and oneDNN's packing are one decision."""
+def test_auto_says_bf16_is_faster_exactly_where_bf16_weights_get_packed(tmp_path):
+    """The real probe, on this CPU: the hint that --dtype bf16 is faster and oneDNN's packing are
+    one decision."""
     folder = bf16_checkpoint(tmp_path)
-    auto = load(folder, "auto").model
+    auto = load(folder, "auto")
     bf16 = load(folder, "bf16").model
-    assert (auto.dtype == torch.bfloat16) == (bf16.prepack() > 0)
+    assert ("--dtype bf16 runs faster here" in auto.dtype.why) == (bf16.prepack() > 0)
 
 
 def test_eos_from_generation_config(tmp_path):
@@ -326,3 +328,26 @@ def test_missing_or_mismatched_weights(tmp_path):
         load(empty)
     with pytest.raises(ConfigError, match="without weights"):
         load("qwen2.5-0.5b")
+
+
+# PyTorch's and oneDNN's own switches that make this CPU take an AVX2-only CPU's branches
+AVX2_BRANCHES = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_the_default_dtype_gives_the_same_tokens_on_the_avx2_branches():
+    """The README's examples print the same text on every CPU: in the default dtype (fp32 for
+    this bf16 checkpoint) the tokens on this CPU equal those of its AVX2 branches (an AVX2 CPU
+    runs them: the same case, so there it cannot differ)."""
+    import os
+    import subprocess
+    import sys
+
+    def tokens(env: dict) -> list[int]:
+        out = subprocess.run([sys.executable, "-m", "kvlab", "generate", "austen-demo",
+                              "It is a truth universally acknowledged", "--max-tokens", "64", "--json"],
+                             capture_output=True, text=True, check=True, env={**os.environ, **env})
+        result = json.loads(out.stdout)
+        assert result["dtype"] == "float32"
+        return result["token_ids"]
+
+    assert tokens({}) == tokens(AVX2_BRANCHES)

@@ -139,8 +139,10 @@ def describe(dtype: torch.dtype, deterministic: bool) -> str:
     rows = sys.maxsize if deterministic else max_rows(dtype)
     if rows == sys.maxsize:
         return "kvlab's AVX2 kernel for every row count"
-    slow = "MKL's sgemm" if dtype == torch.float32 else "oneDNN's packed bf16 matmul"
-    return f"kvlab's AVX2 kernel for up to {rows} rows, {slow} above"
+    if dtype == torch.bfloat16:  # the engine packs bf16 weights where oneDNN has bf16 kernels
+        return (f"oneDNN's packed bf16 matmul in the paged engine; elsewhere kvlab's AVX2 kernel "
+                f"for up to {rows} rows, oneDNN above")
+    return f"kvlab's AVX2 kernel for up to {rows} rows, MKL's sgemm above"
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

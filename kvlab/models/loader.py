@@ -93,27 +93,29 @@ def stored_format(gguf: GGUFFile | None, folder: Path | None, cfg: dict) -> str:
 
 def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp32") -> DtypeChoice:
     """The model dtype for ``name`` on ``device``, for weights stored as ``stored``
-    (``stored_format``). ``auto`` keeps the checkpoint's values exactly, by one rule on every
-    CPU: bf16 where the checkpoint is bf16 and oneDNN's bf16 kernels run here (AVX-512 or
-    AVX-NE-CONVERT: without them a bf16 matmul runs ~100x slower than fp32, 1 vs 120 GFLOP/s
-    on an AVX2-only EPYC), else fp32, in which fp16, bf16 and every GGUF quantisation's values
-    are exact (bf16 would round a Q4_1 or fp16 weight: another model). On a GPU: fp16 for an
-    fp16 checkpoint, else bf16, as vLLM. An explicit name is taken as it is."""
+    (``stored_format``). ``auto`` keeps the checkpoint's values exactly and gives the same tokens
+    on every CPU: fp32, in which fp16, bf16 and every GGUF quantisation's values are exact (bf16
+    would round a Q4_1 or fp16 weight: another model), and which kvlab's native kernels compute
+    with the same instructions on every x86 CPU. bf16 results depend on the CPU's bf16 kernels
+    (oneDNN's on AVX-512, none on AVX2, where a bf16 matmul runs ~100x slower than fp32), so bf16
+    is on request. On a GPU: fp16 for an fp16 checkpoint, else bf16, as vLLM. An explicit name is
+    taken as it is."""
     key = _short_name(name) if isinstance(name, torch.dtype) else name.lower()
     cpu = torch.device(device).type == "cpu"
     if key == "auto":
         if not cpu:
             dtype = torch.float16 if stored == "fp16" else torch.bfloat16
             return DtypeChoice(dtype, f"auto: {stored} weights on a {torch.device(device).type} device")
-        onednn = dispatch.onednn_bf16()
-        if stored == "bf16" and onednn:
-            return DtypeChoice(torch.bfloat16, "auto: bf16 weights, and this CPU has oneDNN's bf16 kernels")
-        if stored == "bf16":
-            return DtypeChoice(torch.float32, f"auto: bf16 weights, exact in fp32; bf16 matmuls are slow "
-                                              f"here: {onednn.why}")
         if stored == "fp32":
             return DtypeChoice(torch.float32, "auto: fp32 weights")
-        return DtypeChoice(torch.float32, f"auto: {stored} weights, exact in fp32 (bf16 would round them)")
+        if stored != "bf16":
+            return DtypeChoice(torch.float32, f"auto: {stored} weights, exact in fp32 (bf16 would round them)")
+        onednn = dispatch.onednn_bf16()
+        if onednn:
+            return DtypeChoice(torch.float32, "auto: bf16 weights, exact in fp32 and the same tokens on every "
+                                              "CPU; --dtype bf16 runs faster here on oneDNN's bf16 kernels")
+        return DtypeChoice(torch.float32, f"auto: bf16 weights, exact in fp32; bf16 matmuls are slow here: "
+                                          f"{onednn.why}")
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, fp32, bf16 or fp16")
     dtype = DTYPES[key]
