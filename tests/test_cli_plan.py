@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvlab.cli import main
 
+ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["kv_bytes_per_token", "kv_bytes_per_sequence", "kv_bytes_total", "kv_bytes_per_gpu",
             "weights_bytes", "max_sequences", "gpus_needed", "crossover_batch"]
 
@@ -73,3 +75,34 @@ def test_small_models_and_cpu_plans_read_right(capsys):
     assert main(["plan", "llama-3.1-70b", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "context 8,192 tokens" in out and "70.6 B params" in out and "on 8 GPUs" in out
+
+
+# Run in a fresh interpreter (this one has torch loaded by conftest): import the planner, run the
+# command through the CLI's own entry point, and print the heavy modules that got imported.
+_IMPORTS = """
+import contextlib, io, json, sys
+import kvlab.plan
+from kvlab.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(sys.argv[1:])
+print(json.dumps({"code": code, "heavy": [m for m in ("torch", "numpy", "transformers", "safetensors",
+                  "tokenizers", "fastapi", "uvicorn", "matplotlib") if m in sys.modules]}))
+"""
+
+
+@pytest.mark.parametrize("argv, allowed", [
+    (["plan", "meta-llama/Llama-3.1-70B", "--context", "131072"], []),
+    (["plan", "deepseek-v3", "--gpus", "8", "--json"], []),
+    (["plan", "qwen2.5-0.5b", "--engine", "vllm", "--max-model-len", "4096", "--kv-memory", "1GiB"], []),
+    (["plan", "qwen2.5-0.5b", "--engine", "llama.cpp", "-c", "4096"], ["numpy"]),  # gguf's block sizes
+    (["models"], []),
+])
+def test_planner_commands_import_no_torch(argv, allowed):
+    """`kvlab plan` (with or without --engine) and `kvlab models` are arithmetic on configs: they
+    must not pay torch's start-up (issue 27). llama.cpp's cache types come from the gguf package,
+    which brings numpy; nothing else heavy may load."""
+    r = subprocess.run([sys.executable, "-c", _IMPORTS, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["code"] == 0, r.stderr
+    assert set(out["heavy"]) <= set(allowed), f"{' '.join(argv)} imported {out['heavy']}"
