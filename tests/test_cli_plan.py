@@ -106,3 +106,43 @@ def test_planner_commands_import_no_torch(argv, allowed):
     out = json.loads(r.stdout)
     assert out["code"] == 0, r.stderr
     assert set(out["heavy"]) <= set(allowed), f"{' '.join(argv)} imported {out['heavy']}"
+
+
+def test_deepseek_plan_reads_as_a_new_user_needs(capsys):
+    """The new user's DeepSeek-V3 run (issue 27): fp8 weights from its config, MLA worded as MLA;
+    with bf16 weights that do not fit, no negative budget and no vLLM line for 0 sequences."""
+    argv = ["plan", "DeepSeek-V3", "--context", "32768", "--users", "16", "--gpu", "h200", "--gpus", "8",
+            "--kv-dtype", "fp8"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "weights fp8" in out and "quantization_config" in out
+    assert "MLA latent: whole on every GPU" in out and "replicated beyond KV heads" not in out
+    assert "for its latent (4 B per layer)" in out and "for K and for V" not in out
+    assert "--max-num-seqs 16" in out
+    assert main([*argv, "--weights-dtype", "bf16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "KV budget per GPU none" in out and "exceed the usable memory by 34.23 GB" in out
+    assert "-34" not in out and "does not fit not even 1 token each" in out
+    assert "vllm serve" not in out and "room for 0" in out
+
+
+def test_max_model_len_drives_the_plan_and_one_vllm_line(capsys):
+    argv = ["plan", "qwen2.5-0.5b", "--engine", "vllm", "--gpu", "cpu", "--max-model-len", "4096",
+            "--kv-memory", "1GiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "context 4,096 tokens" in out and out.count("vllm serve") == 1
+    assert "--max-model-len 4096" in out and "8192" not in out and "8,192" not in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["context"] == 4096 and "--max-model-len 4096" in plan["vllm_flags"]
+
+
+def test_one_user_and_round_units_read_right(capsys):
+    assert main(["plan", "gemma-3-1b", "--users", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "x 1 user," in out and "longest context for 1 user " in out
+    assert "1 users" not in out and "all 1 sequences" not in out
+    assert "1.0 B params" in out and "1,000 M" not in out
+    assert main(["plan", "gemma-3-1b", "--users", "3"]) == 0
+    assert "all 3 sequences" in capsys.readouterr().out
