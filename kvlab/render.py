@@ -66,18 +66,18 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     t = _table(f"On {p.gpu_name} ({fmt_bytes(p.gpu_memory_bytes)}, {p.usable_bytes_per_gpu / p.gpu_memory_bytes:.0%} usable)")
     cpu = p.gpu == "cpu"
     where = "this machine" if cpu else f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}"
-    after = "after weights and allowances" if cpu else "after weights/TP and allowances"
-    if p.memory_shortfall_bytes_per_gpu:
-        t.add_row("KV budget" + ("" if cpu else " per GPU"), "none",
-                  f"weights{'' if cpu else '/TP'} and allowances exceed the usable memory by "
+    budget, taken = ("KV budget", "weights") if cpu else ("KV budget per GPU", "weights/TP")
+    if p.memory_shortfall_bytes_per_gpu:  # never a negative budget: what is missing instead
+        t.add_row(budget, "none", f"{taken} and allowances exceed the usable memory by "
                   f"{fmt_bytes(p.memory_shortfall_bytes_per_gpu)}")
     else:
-        t.add_row("KV budget" + ("" if cpu else " per GPU"), fmt_bytes(p.kv_budget_bytes_per_gpu), after)
+        t.add_row(budget, fmt_bytes(p.kv_budget_bytes_per_gpu), f"after {taken} and allowances")
     t.add_row(f"sequences of {p.context:,} tokens that fit", f"{p.max_sequences:,}", f"on {where}")
+    longest = f"longest context for {plural(p.users, 'user')}"
     if p.max_context_for_users:
-        t.add_row(f"longest context for {plural(p.users, 'user')}", f"{p.max_context_for_users:,}", "tokens")
+        t.add_row(longest, f"{p.max_context_for_users:,}", "tokens")
     else:
-        t.add_row(f"longest context for {plural(p.users, 'user')}", "does not fit", "not even 1 token each")
+        t.add_row(longest, "does not fit", "not even 1 token each")
     if not cpu:
         t.add_row("GPUs needed (everything)", str(p.gpus_needed) if p.gpus_needed else "> 4096", "")
         t.add_row("GPUs for the cache alone", str(p.gpus_needed_cache_only), "")
