@@ -26,10 +26,15 @@ def _dry_run(*args: str) -> str:
 
 
 def test_make_test_announces_the_chromium_install():
-    plan = _dry_run()
-    announce = plan.index("Installing it now with")
-    assert "NO_BROWSER=1" in plan[announce:plan.index("apt-get install")]
-    assert "pytest" in plan
+    """Before it installs anything, make test names the exact apt-get line and the opt-out; that
+    line takes chromium's required packages only: no recommended ones, no upgrade of chromium."""
+    lines = _dry_run().splitlines()
+    run = next(i for i, line in enumerate(lines) if "apt-get install" in line and not line.startswith("echo"))
+    said = "\n".join(line for line in lines[:run] if line.startswith("echo"))
+    command = lines[run].split("DEBIAN_FRONTEND=noninteractive ", 1)[1]
+    assert command.split() == ["apt-get", "install", "-y", "--no-install-recommends", "--no-upgrade", "chromium"]
+    assert command in said and "NO_BROWSER=1" in said
+    assert lines[-1].endswith("pytest")
 
 
 def test_no_browser_installs_nothing_and_tells_pytest():
