@@ -34,7 +34,7 @@ def test_make_test_announces_the_chromium_install():
     command = lines[run].split("DEBIAN_FRONTEND=noninteractive ", 1)[1]
     assert command.split() == ["apt-get", "install", "-y", "--no-install-recommends", "--no-upgrade", "chromium"]
     assert command in said and "NO_BROWSER=1" in said
-    assert lines[-1].endswith("pytest")
+    assert lines[-2].endswith("pytest") and lines[-1].endswith("scripts/test_dispatch.sh")
 
 
 def test_no_browser_installs_nothing_and_tells_pytest():
