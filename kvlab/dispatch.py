@@ -7,10 +7,13 @@ Two fast paths exist only on some x86 CPUs:
 - ``KVLAB_ONEDNN_BF16``: oneDNN's packed bf16 matmul, which PyTorch runs only on CPUs with
   AVX-512 or AVX-NE-CONVERT bf16 support (a probe decides).
 
-A switch set to ``off`` (also ``0``, ``no``, ``false``) takes exactly the branch a CPU without
-the feature takes, so every branch can be run, and tested, on a machine that has the feature
-(``scripts/test_dispatch.sh`` runs the CPU-sensitive tests once per setting). Nothing else in
-kvlab reads these variables or probes the CPU for these features.
+A switch set to ``off`` (also ``0``, ``no``, ``false``) makes every kvlab decision take the
+branch a CPU without the feature takes, so every branch can be run, and tested, on a machine
+that has the feature (``scripts/test_dispatch.sh`` runs the CPU-sensitive tests once per
+setting). Nothing else in kvlab reads these variables or probes the CPU for these features.
+PyTorch's own choices stay PyTorch's: with ``KVLAB_ONEDNN_BF16=off`` its plain bf16 matmul
+still runs on oneDNN where oneDNN can; ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` takes
+an AVX2 CPU's branches there too (the script's last setting on an AVX-512 CPU).
 """
 
 from __future__ import annotations

@@ -223,10 +223,16 @@ class Linear(nn.Linear):
         return self._gemm(x, self.weight, self.bias)
 
     def _gemm(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """PyTorch's F.linear, the rows padded to ``row_block`` (deterministic mode)."""
-        if x.shape[0] % self.row_block:
-            return F.linear(pad_rows(x, self.row_block), weight, bias)[:x.shape[0]]
-        return F.linear(x, weight, bias)
+        """PyTorch's F.linear, the rows zero-padded to a multiple of ``row_block`` (deterministic
+        mode) and, in bf16 on a CPU, to ``onednn_rows``: PyTorch hands bf16 matmuls to oneDNN
+        wherever oneDNN has bf16 kernels, whatever kvlab packs, and oneDNN caches a kernel per
+        shape."""
+        m = x.shape[0]
+        rows = onednn_rows(m) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else m
+        rows = -(-rows // self.row_block) * self.row_block
+        if rows == m:
+            return F.linear(x, weight, bias)
+        return F.linear(pad_rows(x, rows), weight, bias)[:m]
 
 
 class LMHead(Linear):
