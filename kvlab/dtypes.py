@@ -20,6 +20,7 @@ class StorageDtype:
     scale_bytes: int = 0  # bytes of each group scale
     fixed_bytes_per_tensor: int = 0  # per-tensor scales, independent of length
     layout: str = ""
+    experts_only: bool = False  # weights: the format covers routed experts only, the rest 16-bit
 
     def vector_bytes(self, length: int) -> int:
         """Bytes to store one vector of `length` elements, group scales included."""
@@ -34,7 +35,8 @@ class StorageDtype:
 
 
 # KV-cache formats. int8 / int4 follow llama.cpp's q8_0 / q4_0 blocks (32 values, one fp16 scale);
-# fp8 follows vLLM: one fp32 scale for K and one for V in each layer.
+# fp8 follows vLLM: one fp32 scale per cached tensor in each layer (K and V; MLA's one latent).
+# The planner states the scales of the model at hand (kvlab.plan.memory.kv_layout).
 KV_DTYPES: dict[str, StorageDtype] = {
     d.name: d
     for d in (
@@ -42,20 +44,18 @@ KV_DTYPES: dict[str, StorageDtype] = {
         StorageDtype("bf16", 16, layout="2 B per element, no scales"),
         StorageDtype("fp16", 16, layout="2 B per element, no scales"),
         StorageDtype(
-            "fp8_e4m3", 8, fixed_bytes_per_tensor=4,
-            layout="1 B per element + one fp32 scale per layer for K and for V (8 B per layer)",
+            "fp8_e4m3", 8, fixed_bytes_per_tensor=4, layout="1 B per element + one fp32 scale per layer",
         ),
         StorageDtype(
-            "fp8_e5m2", 8, fixed_bytes_per_tensor=4,
-            layout="1 B per element + one fp32 scale per layer for K and for V (8 B per layer)",
+            "fp8_e5m2", 8, fixed_bytes_per_tensor=4, layout="1 B per element + one fp32 scale per layer",
         ),
         StorageDtype(
             "int8", 8, group_size=32, scale_bytes=2,
-            layout="1 B per element + one fp16 scale per 32 elements of each head (q8_0: 8.5 bits)",
+            layout="1 B per element + one fp16 scale per 32 elements of each vector (q8_0: 8.5 bits)",
         ),
         StorageDtype(
             "int4", 4, group_size=32, scale_bytes=2,
-            layout="0.5 B per element + one fp16 scale per 32 elements of each head (q4_0: 4.5 bits)",
+            layout="0.5 B per element + one fp16 scale per 32 elements of each vector (q4_0: 4.5 bits)",
         ),
     )
 }
@@ -72,6 +72,9 @@ WEIGHT_DTYPES: dict[str, StorageDtype] = {
         StorageDtype("int8", 8, group_size=None, layout="1 B per parameter + one fp16 scale per output row"),
         StorageDtype("int4", 4, group_size=128, scale_bytes=4,
                      layout="0.5 B per parameter + fp16 scale and zero point per 128 parameters (GPTQ/AWQ)"),
+        StorageDtype("mxfp4", 4, group_size=32, scale_bytes=1, experts_only=True,
+                     layout="routed experts in 0.5 B per parameter + one 8-bit scale per 32 (OCP MX, "
+                     "as gpt-oss ships them); attention and router 16-bit"),
     )
 }
 
@@ -113,5 +116,6 @@ def matrix_bytes(dtype: StorageDtype, rows: int, cols: int) -> int:
 
 # --dtype of the commands that run a model by default in "auto" (kvlab.models.loader.choose_dtype);
 # here, free of torch, so that flag parsing stays fast
-MODEL_DTYPE_HELP = ("auto (default: bf16 on a GPU or a CPU with oneDNN's bf16 kernels, else fp32), "
-                    "fp32, bf16 or fp16")
+MODEL_DTYPE_HELP = ("auto (default: the checkpoint's values exactly and the same tokens on every CPU: fp32 on "
+                    "a CPU, which holds fp16, bf16 and GGUF-quantised values exactly; on a GPU fp16 for fp16 "
+                    "weights, else bf16), fp32, bf16 (faster on CPUs with oneDNN's bf16 kernels) or fp16")

@@ -23,15 +23,19 @@ they were written with (evicting never renumbers the rest), as in any paged cach
 
 A policy evicts only once the kept tokens exceed the budget, and never a unit still being
 written (the last one) or a sink. Evicted tokens never come back.
+
+torch is imported only by the functions that handle tensors: the CLI's flag parsing reads the
+policy names and budgets (kvlab.engine.options) and must not load it (`kvlab plan` stays instant).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 POLICIES = ("full", "window", "streaming", "h2o", "snapkv")
 SCORED = ("h2o", "snapkv")  # policies that need attention scores from the runtime
@@ -146,6 +150,8 @@ class EvictionPolicy:
         allowed = self.allowed_units(n, unit)
         if not self.active or int(kept.sum()) <= allowed:
             return kept
+        import torch
+
         last = units - 1  # being written: never evicted
         sink_units, recent = self.split(n, unit)
         out = torch.zeros_like(kept)
@@ -169,6 +175,8 @@ class EvictionPolicy:
 def _pooled(scores: Tensor) -> Tensor:
     """SnapKV's pooling: each position's score summed with its neighbours' (``SNAPKV_POOL``
     positions centred on it), so a token next to a voted one stays with it."""
+    import torch
+
     half = SNAPKV_POOL // 2
     sums = torch.cat([scores.new_zeros(1), scores.cumsum(0)])
     idx = torch.arange(scores.numel(), device=scores.device)

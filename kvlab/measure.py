@@ -185,13 +185,15 @@ def prefill_memory(model: CausalLM, context: int) -> PrefillMemory:
     spec = model.spec
     ids = _prompt(spec, context)
     extra = {}
+    logits_bytes = 0
     for all_logits in (True, False):
         cache = ContiguousKVCache(spec, context, dtype=model.dtype, device=model.device)
         peak, _, logits = allocated_during(lambda c=cache, a=all_logits: _prefill(model, c, ids, a), model.device)
         extra[all_logits] = peak  # the cache was allocated before the probe: not counted
         kv = cache.kv_bytes
+        # fp32 in every model dtype (kvlab's LM head); the lesson's transformers in bf16: half
+        logits_bytes = max(logits_bytes, logits.numel() * logits.element_size())
         del logits, cache
-    logits_bytes = context * spec.vocab_size * torch.finfo(model.dtype).bits // 8
     return PrefillMemory(context, kv, extra[True], extra[False], logits_bytes,
                          100 * logits_bytes / extra[True] if extra[True] else 0.0,
                          logits_bytes / kv if kv else 0.0)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.plan import Plan
-from kvlab.units import fmt_bytes, fmt_count, fmt_flops, fmt_iec, fmt_seconds
+from kvlab.units import fmt_bytes, fmt_count, fmt_flops, fmt_iec, fmt_seconds, plural
 
 if TYPE_CHECKING:
     from kvlab.bench import BenchResult
@@ -28,7 +28,7 @@ def _table(title: str) -> Table:
 def print_plan(p: Plan, console: Console | None = None) -> None:
     c = console or Console(width=max(Console().width, 110))
     on = "this machine's CPU" if p.gpu == "cpu" else f"{p.gpus} x {p.gpu} (TP {p.tp})"
-    c.print(f"[bold]{p.model}[/]  context {p.context:,} tokens x {p.users} users, KV {p.kv_dtype}, "
+    c.print(f"[bold]{p.model}[/]  context {p.context:,} tokens x {plural(p.users, 'user')}, KV {p.kv_dtype}, "
             f"weights {p.weights_dtype}, {on}")
     t = _table("KV cache")
     t.add_row("per token", f"{p.kv_bytes_per_token:,} B", fmt_bytes(p.kv_bytes_per_token))
@@ -36,10 +36,10 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         ratio = p.kv_bytes_per_token_without_gqa / p.kv_bytes_per_token
         t.add_row("per token without GQA", f"{p.kv_bytes_per_token_without_gqa:,} B", f"{ratio:.1f}x more")
     t.add_row(f"per sequence ({p.context:,} tokens)", fmt_bytes(p.kv_bytes_per_sequence), "")
-    t.add_row(f"all {p.users} sequences", fmt_bytes(p.kv_bytes_total), "")
+    if p.users > 1:
+        t.add_row(f"all {p.users:,} sequences", fmt_bytes(p.kv_bytes_total), "")
     if p.gpu != "cpu":
-        t.add_row(f"one sequence per GPU (TP {p.tp})", fmt_bytes(p.kv_bytes_per_gpu),
-                  "replicated beyond KV heads" if p.kv_replicated else "")
+        t.add_row(f"one sequence per GPU (TP {p.tp})", fmt_bytes(p.kv_bytes_per_gpu), p.kv_split)
     t.add_row("dtype layout", p.kv_layout, "")
     c.print(t)
     lt = Table(title="By layer kind", title_justify="left")
@@ -52,7 +52,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     t = _table("Memory")
     t.add_row("weights", fmt_bytes(p.weights_bytes),
               f"{fmt_count(p.num_params)} params ({fmt_count(p.active_params)} active per token), "
-              f"linear layers in {p.weights_dtype}")
+              f"linear layers in {p.weights_dtype} ({p.weights_dtype_why})")
     if p.stored_weights_bytes is not None:
         t.add_row("weights as stored in the file", fmt_bytes(p.stored_weights_bytes),
                   f"{p.stored_weights_formats}; the runtime dequantises to 16-bit as it loads")
@@ -66,10 +66,18 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     t = _table(f"On {p.gpu_name} ({fmt_bytes(p.gpu_memory_bytes)}, {p.usable_bytes_per_gpu / p.gpu_memory_bytes:.0%} usable)")
     cpu = p.gpu == "cpu"
     where = "this machine" if cpu else f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}"
-    t.add_row("KV budget" + ("" if cpu else " per GPU"), fmt_bytes(p.kv_budget_bytes_per_gpu),
-              "after weights and allowances" if cpu else "after weights/TP and allowances")
+    budget, taken = ("KV budget", "weights") if cpu else ("KV budget per GPU", "weights/TP")
+    if p.memory_shortfall_bytes_per_gpu:  # never a negative budget: what is missing instead
+        t.add_row(budget, "none", f"{taken} and allowances exceed the usable memory by "
+                  f"{fmt_bytes(p.memory_shortfall_bytes_per_gpu)}")
+    else:
+        t.add_row(budget, fmt_bytes(p.kv_budget_bytes_per_gpu), f"after {taken} and allowances")
     t.add_row(f"sequences of {p.context:,} tokens that fit", f"{p.max_sequences:,}", f"on {where}")
-    t.add_row(f"longest context for {p.users} users", f"{p.max_context_for_users:,}" if p.max_context_for_users else "does not fit", "tokens")
+    longest = f"longest context for {plural(p.users, 'user')}"
+    if p.max_context_for_users:
+        t.add_row(longest, f"{p.max_context_for_users:,}", "tokens")
+    else:
+        t.add_row(longest, "does not fit", "not even 1 token each")
     if not cpu:
         t.add_row("GPUs needed (everything)", str(p.gpus_needed) if p.gpus_needed else "> 4096", "")
         t.add_row("GPUs for the cache alone", str(p.gpus_needed_cache_only), "")
@@ -107,7 +115,9 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                    f"{r['work_ratio']:.1f}x", fmt_flops(r["flops_with_cache"]),
                    fmt_flops(r["flops_without_cache"]), f"{r['flops_ratio']:.1f}x")
     c.print(wt)
-    c.print(f"[bold]vLLM:[/] {p.vllm_flags}")
+    if not (p.engine or "").startswith("vllm"):  # --engine vllm prints its own `vllm serve` line
+        c.print(f"[bold]vLLM:[/] {p.vllm_flags}" if p.vllm_flags else
+                f"[bold]vLLM:[/] no command: not one sequence of {p.context:,} tokens fits")
     if p.engine:
         c.print(f"[bold]{p.engine} will log:[/]")
         for line in p.engine_log_lines:

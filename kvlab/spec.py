@@ -121,6 +121,8 @@ class ModelSpec:
     torch_dtype: str = "bfloat16"
     notes: tuple[str, ...] = ()
     stored_weights: StoredWeights | None = None  # set for checkpoint files that say (GGUF)
+    weights_format: str | None = None  # the linear layers' format (kvlab.dtypes.WEIGHT_DTYPES key)
+    # that the checkpoint's quantization_config names; None: unquantised
 
     # --- cache -------------------------------------------------------------------------
     def kv_bytes_per_token(self, dtype: str | StorageDtype = "bf16") -> int:
@@ -148,6 +150,12 @@ class ModelSpec:
             key = f"sliding({layer.window})" if layer.kind == "sliding" else layer.kind
             counts[key] = counts.get(key, 0) + 1
         return counts
+
+    def kv_fixed_bytes(self, dtype: str | StorageDtype = "bf16") -> int:
+        """Per-tensor scales, whatever the length: one per cached tensor of each layer (K and V;
+        MLA's single latent), for formats that keep them (fp8)."""
+        d = kv_dtype(dtype) if isinstance(dtype, str) else dtype
+        return d.fixed_bytes_per_tensor * sum(len(layer.kv_vectors) for layer in self.layers)
 
     @property
     def attention_layers(self) -> list[LayerSpec]:
@@ -193,6 +201,24 @@ KNOWN_TYPES = {
     "deepseek_v2", "deepseek_v3", "kimi_k2", "gemma", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
     "phi3", "jamba", "nemotron_h", "falcon_mamba", "mamba", "olmo2", "olmo",
 }
+
+
+def _weights_format(cfg: dict) -> tuple[str | None, str | None]:
+    """(the WEIGHT_DTYPES key of the format the checkpoint's quantization_config names, or None;
+    a note when it names one kvlab does not read). Looked for beside text_config too (Gemma 3)."""
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, dict):
+        return None, None
+    method, bits = str(q.get("quant_method", "")).lower(), q.get("bits")
+    if method in ("fp8", "mxfp4"):
+        return method, None
+    if method in ("gptq", "awq") and bits in (4, 8):
+        return f"int{bits}", None
+    if method == "bitsandbytes" and (q.get("load_in_4bit") or q.get("load_in_8bit")):
+        return ("int4" if q.get("load_in_4bit") else "int8"), None
+    return None, (f"quantization_config names {method or 'no quant_method'}"
+                  f"{f' ({bits} bits)' if bits else ''}, which kvlab does not read: weights "
+                  f"planned in bf16 (--weights-dtype to choose)")
 
 
 def _positive_int(cfg: dict, key: str, default: int | None = None) -> int:
@@ -455,7 +481,9 @@ def spec_from_config(cfg: dict, name: str = "") -> ModelSpec:
     """Read a Hugging Face config.json dict into a ModelSpec (raises ConfigError)."""
     if not isinstance(cfg, dict):
         raise ConfigError("config.json must hold a JSON object")
+    weights_format, unread = _weights_format(cfg)
     cfg, notes = _text_config(cfg)
+    notes += [unread] if unread else []
     mtype = cfg.get("model_type") or ""
     arch = (cfg.get("architectures") or ["?"])[0]
     if mtype not in KNOWN_TYPES:
@@ -513,6 +541,7 @@ def spec_from_config(cfg: dict, name: str = "") -> ModelSpec:
         config=cfg,
         torch_dtype=str(cfg.get("torch_dtype") or "bfloat16"),
         notes=tuple(notes),
+        weights_format=weights_format,
     )
 
 

@@ -21,14 +21,14 @@ def parse_bytes(text: str) -> int:
 
 
 def fmt_bytes(n: float | None) -> str:
-    """Both units, labelled: '42.95 GB (40.00 GiB)'; small values in KB / KiB."""
+    """Both units, labelled: '42.95 GB (40.00 GiB)'; small values in KB / KiB. The decimal unit
+    picks the scale (1,057 MB reads 1.06 GB (0.98 GiB))."""
     if n is None:
         return "-"
-    if abs(n) < 2**20:
-        return f"{n / 1e3:,.1f} KB ({n / 2**10:,.1f} KiB)" if n >= 1000 else f"{n:,.0f} B"
-    if abs(n) < 2**30:
-        return f"{n / 1e6:,.1f} MB ({n / 2**20:,.1f} MiB)"
-    return f"{n / 1e9:,.2f} GB ({n / 2**30:,.2f} GiB)"
+    for scale, binary, digits, unit in ((1e9, 2**30, 2, "G"), (1e6, 2**20, 1, "M"), (1e3, 2**10, 1, "K")):
+        if abs(round(n / scale, digits)) >= 1:
+            return f"{n / scale:,.{digits}f} {unit}B ({n / binary:,.{digits}f} {unit}iB)"
+    return f"{n:,.0f} B"
 
 
 def fmt_iec(n: float) -> str:
@@ -40,12 +40,20 @@ def fmt_iec(n: float) -> str:
 
 
 def fmt_count(n: float) -> str:
-    """Parameters and other large counts in the unit that keeps digits: '135 M', '1.7 B', '671 B'."""
+    """Parameters and other large counts in the unit that keeps digits: '135 M', '1.7 B', '671 B'.
+    The unit is chosen after rounding, so 999.9 M reads '1.0 B', not '1,000 M'."""
+    if abs(n) < 1e3:
+        return f"{n:,.0f}"
     for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= scale:
-            v = n / scale
-            return f"{v:,.1f} {unit}" if v < 100 else f"{v:,.0f} {unit}"
-    return f"{n:,.0f}"
+        v = n / scale
+        if abs(round(v, 1)) >= 1:
+            break
+    return f"{v:,.1f} {unit}" if abs(round(v, 1)) < 100 else f"{v:,.0f} {unit}"
+
+
+def plural(n: int, word: str) -> str:
+    """'1 user', '16 users', '2,048 users'."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def fmt_seconds(s: float) -> str:

@@ -9,7 +9,6 @@ import pytest
 from kvlab.bench import Workload, add_compute_bound, parse_range, run_engine, run_hf
 from kvlab.cli import main
 from kvlab.engine.options import EngineOptions
-from kvlab.models.llama import onednn_bf16_packing
 from kvlab.dtypes import weight_dtype
 from kvlab.plan import decode_flops, generation_flops, prefill_flops
 from kvlab.plan.memory import weights_split
@@ -117,9 +116,8 @@ def test_cli_bench_json_on_the_bundled_model(capsys):
     assert main(args) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["num_requests"] == 3 and 12 <= r["output_tokens"] <= 18
-    # the default dtype, auto: bf16 only where this CPU has oneDNN's bf16 kernels, and why
-    assert r["dtype"] == ("bf16" if onednn_bf16_packing() else "fp32")
-    assert r["dtype_why"].startswith("auto: this CPU has")
+    # the default dtype, auto: the Q4_1 file's values exactly, fp32 on every CPU, and why
+    assert r["dtype"] == "fp32" and r["dtype_why"].startswith("auto: Q4_1 weights, exact in fp32")
     assert r["matmul_peak_flops"] > 0
     assert r["compute_bound_tokens_per_s"] == pytest.approx(
         r["output_tokens"] * r["matmul_peak_flops"] / r["work_flops"])

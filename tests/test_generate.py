@@ -17,7 +17,6 @@ from kvlab.engine.output import IncrementalDetokenizer
 from kvlab.generate import Generation, generate
 from kvlab.models import ContiguousKVCache, HFTokenizer, NoCache, load
 from kvlab.models import loader as loader_mod
-from kvlab.models.llama import onednn_bf16_packing
 from kvlab.sampling import SamplingParams
 from tests.test_models import make_checkpoint
 
@@ -245,9 +244,8 @@ def test_cli_sampling_flags_and_seed(ckpt, capsys):
     finally:
         torch.set_num_threads(threads)
     assert json.loads(capsys.readouterr().out)["token_ids"] == a["token_ids"]
-    # the default, auto: bf16 only where this CPU has oneDNN's bf16 kernels, and says why
-    assert a["dtype"] == ("bfloat16" if onednn_bf16_packing() else "float32")
-    assert a["dtype_why"].startswith("auto: this CPU has")
+    # the default, auto: an fp32 checkpoint runs in fp32 on every CPU, and says why
+    assert a["dtype"] == "float32" and a["dtype_why"] == "auto: fp32 weights"
 
 
 def test_cli_default_model_and_a_missing_bundled_package(ckpt, capsys, monkeypatch):

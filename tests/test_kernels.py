@@ -25,10 +25,13 @@ def test_the_kernel_builds_here_or_says_why():
     import platform
     import shutil
 
+    from kvlab import dispatch
+
     s = kernels.status()
     can = (platform.machine().lower() in ("x86_64", "amd64")
            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-           and (shutil.which("cc") or shutil.which("gcc")) is not None)
+           and (shutil.which("cc") or shutil.which("gcc")) is not None
+           and not dispatch.switched_off("KVLAB_KERNELS"))
     assert s.available == can, s.detail
     assert s.detail
 
@@ -103,9 +106,12 @@ def run_status(env: dict) -> str:
 
 
 def test_off_or_a_failed_build_falls_back_to_pytorch_and_says_why(tmp_path):
-    assert "KVLAB_KERNELS=off" in run_status({"KVLAB_KERNELS": "off"})
+    said = run_status({"KVLAB_KERNELS": "off"})
+    assert "linear layers run on PyTorch's matmul: off (KVLAB_KERNELS=off)" in said
+    assert "  KVLAB_KERNELS: off (KVLAB_KERNELS=off)" in said and "KVLAB_ONEDNN_BF16: " in said
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        said = run_status({"CC": "false", "XDG_CACHE_HOME": str(tmp_path)})  # a compiler that fails
+        said = run_status({"CC": "false", "XDG_CACHE_HOME": str(tmp_path),  # a compiler that fails
+                           "KVLAB_KERNELS": "on"})
         assert "PyTorch's matmul: false failed" in said
         assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("tmp*"))
 
@@ -222,19 +228,27 @@ def tiny(dtype: str, **over):
     return model
 
 
+@pytest.mark.parametrize("onednn", ["off", "this cpu"])
 @pytest.mark.parametrize("dtype,kv_dtype,deterministic", [("fp32", "auto", True), ("fp32", "auto", False),
                                                           ("fp32", "bf16", True), ("bf16", "auto", True),
                                                           ("bf16", "fp32", False)])
 def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dtype, kv_dtype, deterministic,
-                                                                             monkeypatch):
+                                                                             onednn, monkeypatch):
     """One native call per layer (``kvlab.kernels.decoder_layer``) against the layer's modules
     calling the same kernels op by op: the same bits, so a step may take either path (deterministic
     mode runs a step with a scored span through the modules). Biases (Qwen2's q/k/v), a window,
-    batched decodes and prompts."""
+    batched decodes and prompts. Per dispatch choice: with oneDNN's bf16 branch off (an AVX2 CPU's
+    branch) every case runs natively; with this CPU's own probe a non-deterministic bf16 run
+    packs its weights for oneDNN where it can, and then no layer runs natively."""
     native()
+    from kvlab import dispatch
     from kvlab.engine.llm import LLM
     from kvlab.models.llama import DecoderLayer
     from kvlab.sampling import SamplingParams
+
+    if onednn == "off":
+        monkeypatch.setattr(dispatch, "onednn_bf16", lambda: dispatch.Feature("KVLAB_ONEDNN_BF16", False, "off"))
+    packs = dtype == "bf16" and not deterministic and bool(dispatch.onednn_bf16())
 
     model = tiny(dtype, model_type="qwen2", num_hidden_layers=2, sliding_window=6,
                  layer_types=["sliding_attention", "full_attention"])
@@ -250,7 +264,11 @@ def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dty
                 for o in llm.generate(prompts, params)]
 
     one_call = run()
-    assert calls and max(calls) > 1  # batched rows went through it
+    assert model.is_packed() is packs
+    if packs:
+        assert not calls  # oneDNN's packed matmuls: the modules run
+    else:
+        assert calls and max(calls) > 1  # batched rows went through it
     monkeypatch.setattr(DecoderLayer, "native_weights", lambda self, x: None)
     calls.clear()
     by_modules = run()

@@ -26,16 +26,27 @@ def _dry_run(*args: str) -> str:
 
 
 def test_make_test_announces_the_chromium_install():
-    plan = _dry_run()
-    announce = plan.index("Installing it now with")
-    assert "NO_BROWSER=1" in plan[announce:plan.index("apt-get install")]
-    assert "pytest" in plan
+    """Before it installs anything, make test names the exact apt-get line and the opt-out; that
+    line takes chromium's required packages only: no recommended ones, no upgrade of chromium."""
+    lines = _dry_run().splitlines()
+    run = next(i for i, line in enumerate(lines) if "apt-get install" in line and not line.startswith("echo"))
+    said = "\n".join(line for line in lines[:run] if line.startswith("echo"))
+    command = lines[run].split("DEBIAN_FRONTEND=noninteractive ", 1)[1]
+    assert command.split() == ["apt-get", "install", "-y", "--no-install-recommends", "--no-upgrade", "chromium"]
+    assert command in said and "NO_BROWSER=1" in said
+    assert lines[-2].endswith("pytest") and lines[-1].endswith("scripts/test_dispatch.sh")
 
 
 def test_no_browser_installs_nothing_and_tells_pytest():
     plan = _dry_run("NO_BROWSER=1")
     assert "apt-get" not in plan
-    assert "KVLAB_NO_BROWSER=1" in plan and plan.rstrip().endswith("pytest")
+    assert "KVLAB_NO_BROWSER=1" in plan and "pytest" in plan
+
+
+def test_make_test_ends_with_the_dispatch_run():
+    """The CPU-sensitive tests run again per switch after the suite (CI runs `make test`)."""
+    lines = _dry_run("NO_BROWSER=1").rstrip().splitlines()
+    assert "pytest" in lines[-2] and lines[-1].endswith("scripts/test_dispatch.sh")
 
 
 def _collect_browser_tests(**env: str) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab import dispatch
 from kvlab.generate import generate
 from kvlab.models import (
     ContiguousKVCache,
@@ -22,7 +23,6 @@ from kvlab.models import (
     choose_dtype,
     load,
 )
-from kvlab.models.llama import onednn_bf16_packing
 from kvlab.sampling import SamplingParams
 from kvlab.spec import ConfigError, spec_from_config
 
@@ -189,40 +189,73 @@ def test_batched_cache_matches_single_sequences(tmp_path):
                                        atol=1e-5, rtol=0)
 
 
+def bf16_checkpoint(folder: Path) -> Path:
+    """make_checkpoint's model saved in bf16, as most Hugging Face checkpoints are."""
+    make_checkpoint(folder)
+    transformers.AutoModelForCausalLM.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
 def test_dtype_choice_and_default(tmp_path):
-    folder = make_checkpoint(tmp_path)
-    fast_bf16 = onednn_bf16_packing()  # this CPU: the default is bf16 only with its kernels
-    assert load(folder).model.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    folder = make_checkpoint(tmp_path / "fp32")
+    assert load(folder).dtype.why == "auto: fp32 weights"  # on every CPU
+    assert load(folder).model.dtype == torch.float32
     assert load(folder, "bf16").model.dtype == torch.bfloat16  # an explicit choice stands
     assert load(folder, "fp16").model.dtype == torch.float16
     assert load(folder, "fp32").model.dtype == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         load(folder, "int3")
+    # a bf16 checkpoint runs in fp32 (exact) on every CPU; --dtype bf16 where it is faster
+    bf16 = load(bf16_checkpoint(tmp_path / "bf16"))
+    assert bf16.model.dtype == torch.float32 and bf16.dtype.why.startswith("auto: bf16 weights, exact in fp32")
+    assert ("--dtype bf16 runs faster here" in bf16.dtype.why) is bool(dispatch.onednn_bf16())
 
 
-def test_auto_dtype_rule(tmp_path, monkeypatch):
-    """auto: bf16 on a GPU or where oneDNN's bf16 kernels run, fp32 elsewhere; said why."""
-    import kvlab.models.loader as loader
+def test_stored_format_of_each_kind_of_checkpoint(tmp_path):
+    from kvlab.catalog import gguf_file
+    from kvlab.models.loader import stored_format
 
-    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(loader, "onednn_bf16_packing", lambda fast=fast: fast)
-        cpu = choose_dtype("auto", "cpu")
-        assert cpu.dtype == want and cpu.why.startswith("auto:") and cpu.name in str(cpu)
-        assert ("no oneDNN bf16 kernels" in cpu.why) is not fast
-        gpu = choose_dtype("auto", "cuda:0")  # no GPU needed: the rule reads the device's kind
-        assert gpu.dtype == torch.bfloat16 and "cuda" in gpu.why
-        for name, dtype in (("fp32", torch.float32), ("BF16", torch.bfloat16), ("half", torch.float16),
-                            (torch.bfloat16, torch.bfloat16)):
-            assert choose_dtype(name, "cpu").dtype == dtype
-        assert ("slow here" in choose_dtype("bf16", "cpu").why) is not fast
-        assert "slow" not in choose_dtype("bf16", "cuda").why
+    assert stored_format(None, make_checkpoint(tmp_path / "a"), {}) == "fp32"
+    assert stored_format(None, bf16_checkpoint(tmp_path / "b"), {}) == "bf16"
+    assert stored_format(None, None, {"torch_dtype": "float16"}) == "fp16"
+    assert stored_format(None, None, {"dtype": "bfloat16"}) == "bf16"
+    assert stored_format(None, None, {}) == "fp32"  # transformers' default without one
+    if gguf_file("smollm2-135m") is not None:
+        assert stored_format(gguf_file("smollm2-135m"), None, {}) == "Q4_1"
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_auto_dtype_rule(onednn, monkeypatch):
+    """auto keeps the checkpoint's values exactly and the same tokens on every CPU: fp32 for every
+    stored format on a CPU, with or without oneDNN's bf16 kernels (both branches, whatever this
+    CPU has); on a GPU fp16 for fp16 weights, else bf16. Each choice says why."""
+    feature = dispatch.Feature("KVLAB_ONEDNN_BF16", onednn, "probe" if onednn else "no kernels here")
+    monkeypatch.setattr(dispatch, "onednn_bf16", lambda: feature)
+    for stored in ("bf16", "fp32", "fp16", "Q4_1", "Q8_0"):
+        cpu = choose_dtype("auto", "cpu", stored)
+        assert cpu.dtype == torch.float32 and cpu.why.startswith(f"auto: {stored} weights") and cpu.name in str(cpu)
+    assert "exact in fp32 (bf16 would round them)" in choose_dtype("auto", "cpu", "Q4_1").why
+    assert ("no kernels here" in choose_dtype("auto", "cpu", "bf16").why) is not onednn
+    assert ("--dtype bf16 runs faster here" in choose_dtype("auto", "cpu", "bf16").why) is onednn
+    for stored, want in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("Q4_1", torch.bfloat16)):
+        gpu = choose_dtype("auto", "cuda:0", stored)  # no GPU needed: the rule reads the device's kind
+        assert gpu.dtype == want and "cuda" in gpu.why
+    for name, dtype in (("fp32", torch.float32), ("BF16", torch.bfloat16), ("half", torch.float16),
+                        (torch.bfloat16, torch.bfloat16)):
+        assert choose_dtype(name, "cpu").dtype == dtype
+    assert ("slow here" in choose_dtype("bf16", "cpu").why) is not onednn
+    assert "slow" not in choose_dtype("bf16", "cuda").why
     with pytest.raises(ValueError, match="choose auto, fp32, bf16 or fp16"):
         choose_dtype(torch.int8)
-    monkeypatch.undo()
-    # the real probe: auto picks bf16 exactly where bf16 weights get oneDNN's packed kernels
-    auto = load(make_checkpoint(tmp_path), "auto").model
-    bf16 = load(make_checkpoint(tmp_path), "bf16").model
-    assert (auto.dtype == torch.bfloat16) == (bf16.prepack() > 0)
+
+
+def test_auto_says_bf16_is_faster_exactly_where_bf16_weights_get_packed(tmp_path):
+    """The real probe, on this CPU: the hint that --dtype bf16 is faster and oneDNN's packing are
+    one decision."""
+    folder = bf16_checkpoint(tmp_path)
+    auto = load(folder, "auto")
+    bf16 = load(folder, "bf16").model
+    assert ("--dtype bf16 runs faster here" in auto.dtype.why) == (bf16.prepack() > 0)
 
 
 def test_eos_from_generation_config(tmp_path):
@@ -295,3 +328,26 @@ def test_missing_or_mismatched_weights(tmp_path):
         load(empty)
     with pytest.raises(ConfigError, match="without weights"):
         load("qwen2.5-0.5b")
+
+
+# PyTorch's and oneDNN's own switches that make this CPU take an AVX2-only CPU's branches
+AVX2_BRANCHES = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_the_default_dtype_gives_the_same_tokens_on_the_avx2_branches():
+    """The README's examples print the same text on every CPU: in the default dtype (fp32 for
+    this bf16 checkpoint) the tokens on this CPU equal those of its AVX2 branches (an AVX2 CPU
+    runs them: the same case, so there it cannot differ)."""
+    import os
+    import subprocess
+    import sys
+
+    def tokens(env: dict) -> list[int]:
+        out = subprocess.run([sys.executable, "-m", "kvlab", "generate", "austen-demo",
+                              "It is a truth universally acknowledged", "--max-tokens", "64", "--json"],
+                             capture_output=True, text=True, check=True, env={**os.environ, **env})
+        result = json.loads(out.stdout)
+        assert result["dtype"] == "float32"
+        return result["token_ids"]
+
+    assert tokens({}) == tokens(AVX2_BRANCHES)

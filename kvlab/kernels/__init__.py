@@ -16,8 +16,8 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
 
 It needs an x86 CPU with AVX2 and FMA and a C compiler with OpenMP (``$CC``, ``cc`` or
 ``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
-``KVLAB_KERNELS=off`` turns it off (to compare, or to rule it out). ``python -m kvlab.kernels``
-builds it and says which path runs.
+``KVLAB_KERNELS=off`` turns it off (to compare, or to rule it out; ``kvlab.dispatch`` reads every
+such switch). ``python -m kvlab.kernels`` builds it and says which paths run.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c")]
@@ -60,7 +61,7 @@ class Status:
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, Status]:
-    if os.environ.get("KVLAB_KERNELS", "on").lower() in ("off", "0", "no"):
+    if dispatch.switched_off("KVLAB_KERNELS"):
         return None, Status(False, "off (KVLAB_KERNELS=off)")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, Status(False, f"no kernel for {platform.machine()} (x86 AVX2 only)")
@@ -91,7 +92,7 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     except OSError as e:
         return None, Status(False, f"cannot build or load {path}: {e}")
     p, n = ctypes.c_void_p, ctypes.c_long
-    for fn in (lib.kvlab_linear_f32, lib.kvlab_linear_bf16):
+    for fn in (lib.kvlab_linear_f32, lib.kvlab_linear_bf16, lib.kvlab_linear_bf16_f32):
         fn.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
         fn.restype = None
     lib.kvlab_paged_attention.argtypes = [p, p, p, ctypes.c_int, n, p, n, p, p, p, p, n, n, n, n, n,
@@ -120,26 +121,28 @@ def status() -> Status:
     return _load()[1]
 
 
-def max_rows(dtype: torch.dtype, onednn_bf16: bool) -> int:
+def max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the native kernel runs by default: fp32 up to ``MAX_ROWS``; bf16 always,
     unless oneDNN has bf16 kernels here (its packed weights are then the measured path)."""
-    if dtype == torch.bfloat16 and not onednn_bf16:
+    if dtype == torch.bfloat16 and not dispatch.onednn_bf16():
         return sys.maxsize
     return MAX_ROWS
 
 
-def describe(dtype: torch.dtype, deterministic: bool, onednn_bf16: bool) -> str:
+def describe(dtype: torch.dtype, deterministic: bool) -> str:
     """One line for reports: which kernel runs a model's linear layers in this dtype."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "PyTorch's matmul (the native kernel takes fp32 and bf16)"
     s = status()
     if not s.available:
         return f"PyTorch's matmul: {s.detail}"
-    rows = sys.maxsize if deterministic else max_rows(dtype, onednn_bf16)
+    rows = sys.maxsize if deterministic else max_rows(dtype)
     if rows == sys.maxsize:
         return "kvlab's AVX2 kernel for every row count"
-    slow = "MKL's sgemm" if dtype == torch.float32 else "oneDNN's packed bf16 matmul"
-    return f"kvlab's AVX2 kernel for up to {rows} rows, {slow} above"
+    if dtype == torch.bfloat16:  # the engine packs bf16 weights where oneDNN has bf16 kernels
+        return (f"oneDNN's packed bf16 matmul in the paged engine; elsewhere kvlab's AVX2 kernel "
+                f"for up to {rows} rows, oneDNN above")
+    return f"kvlab's AVX2 kernel for up to {rows} rows, MKL's sgemm above"
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -157,16 +160,18 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return _load()[0] is not None
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:
     """F.linear(x, weight, bias) by the native kernel (check ``usable`` first): x [M, K],
-    weight [N, K] -> [M, N] in x's dtype (bf16: summed in fp32, rounded once), on torch's
-    thread count."""
+    weight [N, K] -> [M, N] in x's dtype (bf16: summed in fp32, rounded once; with
+    ``fp32_out`` the same sums in fp32, not rounded), on torch's thread count."""
     lib = _load()[0]
     assert lib is not None
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
-    fn = lib.kvlab_linear_f32 if x.dtype == torch.float32 else lib.kvlab_linear_bf16
+    bf16 = x.dtype == torch.bfloat16
+    y = torch.empty(m, n, dtype=torch.float32 if fp32_out else x.dtype)
+    fn = (lib.kvlab_linear_f32 if not bf16 else lib.kvlab_linear_bf16_f32 if fp32_out
+          else lib.kvlab_linear_bf16)
     with _profiled("kvlab::linear"):
         fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
            m, n, k, torch.get_num_threads())

@@ -1,9 +1,12 @@
-"""``python -m kvlab.kernels``: build the native kernels now and say which linear path runs."""
+"""``python -m kvlab.kernels``: build the native kernels now, say which linear path runs, and
+list every CPU-dependent path with its switch (``kvlab.dispatch``)."""
 
 import torch
 
+from kvlab import dispatch
 from kvlab.kernels import describe
-from kvlab.models.llama import onednn_bf16_packing
 
 for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-    print(f"kvlab kernels: {name} linear layers run on {describe(dtype, False, onednn_bf16_packing())}")
+    print(f"kvlab kernels: {name} linear layers run on {describe(dtype, False)}")
+for feature in dispatch.report():
+    print(f"  {feature.switch}: {'on' if feature.on else 'off'} ({feature.why})")

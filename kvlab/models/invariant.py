@@ -73,23 +73,23 @@ def stable_row_block(linear: nn.Module, in_features: int, dtype: torch.dtype,
 
 def check_linears(linears: list[nn.Module], dtype: torch.dtype, device: torch.device) -> int:
     """The row block to pad every linear layer's input to (the largest any shape needs); one
-    probe per distinct weight shape. Raises BatchInvariantError where none is stable."""
+    probe per distinct layer class and weight shape. Raises BatchInvariantError where none is stable."""
     if device.type != "cpu":
         raise BatchInvariantError(
             f"--deterministic runs on CPU only: kvlab has no batch-invariant kernels for "
             f"{device.type} (on GPUs vLLM offers VLLM_BATCH_INVARIANT=1); drop --deterministic "
             f"or run on the CPU")
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[tuple[type, tuple[int, ...]], int] = {}
     for m in linears:
         shape = tuple(m.weight.shape)
-        if shape in seen:
+        if (type(m), shape) in seen:  # same class, same shape: the same GEMM (the LM head's is fp32)
             continue
         block = stable_row_block(m, shape[1], dtype, device)
         if block is None:
             raise BatchInvariantError(
                 f"--deterministic: this CPU's {dtype} matmul gives row results that depend on "
                 f"the batch for weight shape {list(shape)}; try --dtype fp32, or drop --deterministic")
-        seen[shape] = block
+        seen[type(m), shape] = block
     return max(seen.values(), default=1)
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.models.attention import AttentionBackend, NativeAttention
 from kvlab.models.invariant import check_linears, pad_rows
 from kvlab.spec import LayerSpec, ModelSpec
@@ -94,26 +94,34 @@ def inv_frequencies(cfg: dict[str, Any], head_dim: int) -> Tensor:
 
 
 def _can_prepack(weight: Tensor) -> bool:
-    """oneDNN prepacking pays (and is bit-exact) for bf16 weights on a CPU with oneDNN's bf16
-    kernels (AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU oneDNN refuses to pack)."""
+    """oneDNN prepacking pays for bf16 weights on a CPU with oneDNN's bf16 kernels (AVX-512 or
+    AVX-NE-CONVERT; on an AVX2-only CPU oneDNN refuses to pack; ``KVLAB_ONEDNN_BF16=off`` takes
+    that branch anywhere)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
-    return onednn_bf16_packing()
+    return dispatch.onednn_bf16().on
 
 
-@functools.cache
-def onednn_bf16_packing() -> bool:
-    """Does oneDNN pack and multiply bf16 weights on this CPU (AVX-512 or AVX-NE-CONVERT)? One
-    probe per process."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), probe, None,
-                                           "none", [], "")
-    except (AttributeError, RuntimeError):  # older builds lack the ops; CPUs without bf16 kernels
-        return False
-    return True
+def onednn_rows(m: int) -> int:
+    """The row count a oneDNN matmul of ``m`` rows runs at: ``m`` up to 8, else ``m`` rounded up
+    to the next of four steps per octave (8, 10, 12, 14, 16, 20, 24, 28, 32, 40...). oneDNN builds
+    and caches a kernel per input shape (~0.5 MB each, measured: 1,200 distinct prefill lengths
+    grew RSS by 640 MB), so the rows it sees are bucketed: at most 8 + 4 per doubling shapes,
+    for at most 25% padding rows."""
+    if m <= 8:
+        return m
+    step = 1 << (m.bit_length() - 3)  # a quarter of the octave m lies in
+    return -(-m // step) * step
+
+
+def _onednn_pack(weight: Tensor) -> Tensor:
+    """oneDNN's blocked copy of a bf16 weight [N, K]."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ packed^T (+ bias): the one call through which kvlab hands shapes to oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedWeights:
@@ -126,7 +134,8 @@ class PackedWeights:
     the packed copy is read as is. Each output column is computed exactly as ``F.linear``
     computes it (same oneDNN kernel, same reduction), so results are bit-identical. The copy
     is only used while every source weight and bias is the very tensor it was made from,
-    unmodified (``valid``); callers fall back to the plain layers otherwise.
+    unmodified (``valid``); callers fall back to the plain layers otherwise. Padded rows are
+    zeros, and a row's sums do not read the other rows.
     """
 
     def __init__(self, linears: list[nn.Linear]) -> None:
@@ -135,7 +144,7 @@ class PackedWeights:
         with torch.no_grad():
             weights = [m.weight.detach() for m in linears]
             w = weights[0] if len(weights) == 1 else torch.cat(weights)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            self.packed = _onednn_pack(w)
             biases = [m.bias for m in linears]
             self.bias = None
             if any(b is not None for b in biases):
@@ -165,7 +174,9 @@ class PackedWeights:
         return True
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        """x @ W^T (+ b), x's rows zero-padded to ``onednn_rows`` (a bounded set of shapes)."""
+        m = x.shape[0]
+        return _onednn_linear(pad_rows(x, onednn_rows(m)), self.packed, self.bias)[:m]
 
 
 def pack(linears: list[nn.Linear]) -> PackedWeights | None:
@@ -209,12 +220,45 @@ class Linear(nn.Linear):
             return self._packed(x)  # type: ignore[misc]
         rows = self.native_rows
         if rows is None:
-            rows = kernels.max_rows(x.dtype, onednn_bf16_packing())
+            rows = kernels.max_rows(x.dtype)
         if x.shape[0] <= rows and kernels.usable(x, self.weight, self.bias):
             return kernels.linear(x, self.weight, self.bias)
-        if x.shape[0] % self.row_block:
-            return F.linear(pad_rows(x, self.row_block), self.weight, self.bias)[:x.shape[0]]
-        return F.linear(x, self.weight, self.bias)
+        return self._gemm(x, self.weight, self.bias)
+
+    def _gemm(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """PyTorch's F.linear, the rows zero-padded to a multiple of ``row_block`` (deterministic
+        mode) and, in bf16 on a CPU, to ``onednn_rows``: PyTorch hands bf16 matmuls to oneDNN
+        wherever oneDNN has bf16 kernels, whatever kvlab packs, and oneDNN caches a kernel per
+        shape."""
+        m = x.shape[0]
+        rows = onednn_rows(m) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else m
+        rows = -(-rows // self.row_block) * self.row_block
+        if rows == m:
+            return F.linear(x, weight, bias)
+        return F.linear(pad_rows(x, rows), weight, bias)[:m]
+
+
+class LMHead(Linear):
+    """The LM head: fp32 logits whatever the model's dtype, as llama.cpp keeps them and vLLM
+    samples them. A bf16 head sums in fp32 and never rounds the logits to bf16, whose values
+    near 15-20 are 0.125 apart: rounded, a near-tie becomes an exact tie that goes to the lower
+    token id (the first token of the README's chat question in bf16 did). The weight stays in
+    the model's dtype (tied: it is the embedding)."""
+
+    VOCAB_SLICE = 8192  # weight rows widened at a time where the native kernel does not run
+
+    def prepack(self) -> int:
+        return 0  # oneDNN's packed bf16 matmul returns bf16
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        if kernels.usable(x, self.weight, self.bias):
+            return kernels.linear(x, self.weight, self.bias, fp32_out=True)  # any rows: batch-invariant
+        x32, step = x.float(), self.VOCAB_SLICE
+        return torch.cat([self._gemm(x32, self.weight[i:i + step].float(),
+                                     None if self.bias is None else self.bias[i:i + step].float())
+                          for i in range(0, self.out_features, step)], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -394,7 +438,7 @@ class DecoderLayer(nn.Module):
         if any(m._packed is not None for m in linears):
             return None
         rows = linears[-1].native_rows
-        if x.shape[0] > (kernels.max_rows(x.dtype, onednn_bf16_packing()) if rows is None else rows):
+        if x.shape[0] > (kernels.max_rows(x.dtype) if rows is None else rows):
             return None
         if not packed.fit(x.dtype):
             self._native = None  # moved or cast: gather again next time
@@ -434,7 +478,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only LM over flat tokens.
 
-    ``forward(input_ids [T], positions [T], attn, logits_indices [N] | None) -> logits [N, vocab]``.
+    ``forward(input_ids [T], positions [T], attn, logits_indices [N] | None) -> logits [N, vocab]``,
+    fp32 in every model dtype (``LMHead``).
     Only the rows at ``logits_indices`` go through the last layer's o_proj and MLP, the final
     norm and the LM head: during generation that is one row per sequence, never [T, vocab] for
     a whole prompt (which for a 151,936-word vocabulary costs ~10x the KV cache). ``None``
@@ -450,7 +495,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.config = spec.config
         self.model = DecoderModel(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_frequencies(spec.config, heads.pop()), persistent=False)
@@ -473,18 +518,19 @@ class CausalLM(nn.Module):
         safe ran on the plain layers)."""
         if not _can_prepack(self.lm_head.weight) or self.invariant_rows is not None:
             return 0
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        linears = [m for m in self.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
         need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         if max_bytes is not None and need > max_bytes and not self.is_packed():
             return 0
-        done = self.lm_head.prepack()
+        done = 0
         for layer in self.model.layers:
             done += layer.self_attn.prepack() + layer.mlp.prepack()
         return done
 
     def is_packed(self) -> bool:
-        """Every linear layer runs from a valid packed copy."""
-        packs = [self.lm_head._packed] + [p for layer in self.model.layers for p in (
+        """Every decoder layer's linear layers run from valid packed copies (the LM head never
+        does: its logits stay fp32)."""
+        packs = [p for layer in self.model.layers for p in (
             layer.self_attn._qkv, layer.self_attn.o_proj._packed, layer.mlp._gate_up,
             layer.mlp.down_proj._packed)]
         return all(p is not None and p.valid() for p in packs)

@@ -18,15 +18,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
+from kvlab import dispatch
 from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
-from kvlab.models.llama import CausalLM, onednn_bf16_packing, check_supported, inv_frequencies
+from kvlab.models.llama import CausalLM, check_supported, inv_frequencies
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
+
+if TYPE_CHECKING:
+    from kvlab.gguf import GGUFFile
 
 __all__ = ["ByteTokenizer", "DtypeChoice", "HFTokenizer", "Loaded", "TextTokenizer", "build_model",
            "choose_dtype", "load", "load_model", "torch_dtype"]
@@ -36,7 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-DEFAULT_DTYPE = "auto"  # bf16 where it has fast kernels, else fp32 (see choose_dtype)
+DEFAULT_DTYPE = "auto"  # the checkpoint's values exactly, fast on this device (see choose_dtype)
 
 # Keys some checkpoints carry that the model recomputes (old RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,33 +68,66 @@ def _short_name(dtype: torch.dtype) -> str:
     return next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
 
 
-def choose_dtype(name: str | torch.dtype, device: str = "cpu") -> DtypeChoice:
-    """The model dtype for ``name`` on ``device``. ``auto`` is bf16 on CUDA, and on a CPU where
-    oneDNN's bf16 kernels run (AVX-512 or AVX-NE-CONVERT: the probe the packed linear layers use),
-    else fp32: without those kernels a bf16 matmul falls back to a path ~100x slower than fp32
-    (1 vs 120 GFLOP/s on an AVX2-only EPYC), which costs far more than the halved weight reads
-    save. An explicit name is taken as it is."""
+def stored_format(gguf: GGUFFile | None, folder: Path | None, cfg: dict) -> str:
+    """How the checkpoint stores its weight matrices: ``fp32``, ``fp16``, ``bf16``, or a GGUF
+    quantisation type (``Q4_1``...): the most common type among a GGUF file's matrices (any
+    quantised one first), the safetensors files' most common dtype, or (random weights) the
+    config's ``torch_dtype`` (fp32 where it names none, as transformers)."""
+    if gguf is not None:
+        kinds = [t.tensor_type.name for t in gguf.reader.tensors if len(t.shape) > 1]
+        quantised = [k for k in kinds if k not in ("F32", "F16", "BF16")]
+        common = max(set(quantised or kinds), key=(quantised or kinds).count)
+        return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(common, common)
+    if folder is not None:
+        counts: dict[str, int] = {}
+        for file in _safetensors_files(folder):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    kind = f.get_slice(key).get_dtype()
+                    counts[kind] = counts.get(kind, 0) + 1
+        common = max(counts, key=counts.get) if counts else "F32"
+        return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(common, common.lower())
+    named = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
+    return _short_name(DTYPES[named]) if named in DTYPES else named
+
+
+def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp32") -> DtypeChoice:
+    """The model dtype for ``name`` on ``device``, for weights stored as ``stored``
+    (``stored_format``). ``auto`` keeps the checkpoint's values exactly and gives the same tokens
+    on every CPU: fp32, in which fp16, bf16 and every GGUF quantisation's values are exact (bf16
+    would round a Q4_1 or fp16 weight: another model), and which kvlab's native kernels compute
+    with the same instructions on every x86 CPU. bf16 results depend on the CPU's bf16 kernels
+    (oneDNN's on AVX-512, none on AVX2, where a bf16 matmul runs ~100x slower than fp32), so bf16
+    is on request. On a GPU: fp16 for an fp16 checkpoint, else bf16, as vLLM. An explicit name is
+    taken as it is."""
     key = _short_name(name) if isinstance(name, torch.dtype) else name.lower()
     cpu = torch.device(device).type == "cpu"
     if key == "auto":
         if not cpu:
-            return DtypeChoice(torch.bfloat16, f"auto: a {torch.device(device).type} device")
-        if onednn_bf16_packing():
-            return DtypeChoice(torch.bfloat16, "auto: this CPU has oneDNN's bf16 kernels")
-        return DtypeChoice(torch.float32, "auto: this CPU has no oneDNN bf16 kernels (AVX-512 or "
-                                          "AVX-NE-CONVERT), where bf16 matmuls run far slower than fp32")
+            dtype = torch.float16 if stored == "fp16" else torch.bfloat16
+            return DtypeChoice(dtype, f"auto: {stored} weights on a {torch.device(device).type} device")
+        if stored == "fp32":
+            return DtypeChoice(torch.float32, "auto: fp32 weights")
+        if stored != "bf16":
+            return DtypeChoice(torch.float32, f"auto: {stored} weights, exact in fp32 (bf16 would round them)")
+        onednn = dispatch.onednn_bf16()
+        if onednn:
+            return DtypeChoice(torch.float32, "auto: bf16 weights, exact in fp32 and the same tokens on every "
+                                              "CPU; --dtype bf16 runs faster here on oneDNN's bf16 kernels")
+        return DtypeChoice(torch.float32, f"auto: bf16 weights, exact in fp32; bf16 matmuls are slow here: "
+                                          f"{onednn.why}")
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, fp32, bf16 or fp16")
     dtype = DTYPES[key]
-    if dtype == torch.bfloat16 and cpu and not onednn_bf16_packing():
-        return DtypeChoice(dtype, "as asked; slow here: this CPU has no oneDNN bf16 kernels, "
-                                  "--dtype auto picks fp32")
+    if dtype == torch.bfloat16 and cpu and not dispatch.onednn_bf16():
+        return DtypeChoice(dtype, f"as asked; slow here: {dispatch.onednn_bf16().why}, "
+                                  f"--dtype auto picks fp32")
     return DtypeChoice(dtype, "as asked")
 
 
-def torch_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+def torch_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp32") -> torch.dtype:
     """The torch dtype for ``name`` (fp32, bf16, fp16 and their aliases, or auto) on ``device``."""
-    return choose_dtype(name, device).dtype
+    return choose_dtype(name, device, stored).dtype
 
 
 @dataclass
@@ -185,9 +223,10 @@ def init_random_(model: CausalLM, seed: int = 0, std: float | None = None) -> No
 
 def build_model(spec: ModelSpec, dtype: str | torch.dtype = DEFAULT_DTYPE, device: str = "cpu",
                 random_weights: bool = False, seed: int = 0) -> CausalLM:
-    """An empty (meta) model, or one with seeded random weights, in ``dtype`` on ``device``."""
+    """An empty (meta) model, or one with seeded random weights, in ``dtype`` on ``device``
+    (``auto``: as the config's ``torch_dtype`` says random weights are stored)."""
     check_supported(spec)
-    dt = torch_dtype(dtype, device)
+    dt = torch_dtype(dtype, device, stored_format(None, None, spec.config))
     with torch.device("meta"):  # no memory yet: never materialise fp32 weights for a bf16 model
         model = CausalLM(spec).to(dt)
     if random_weights:
@@ -220,10 +259,10 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
     cfg, name = load_config(model)
     spec = spec_from_config(cfg, name)
     check_supported(spec)
-    choice = choose_dtype(dtype, dev)
-    built = build_model(spec, choice.dtype, dev, random_weights=random_weights, seed=seed)
     gguf = gguf_file(path) if path is not None else None
     folder = None if path is None or gguf is not None else (path if path.is_dir() else path.parent)
+    choice = choose_dtype(dtype, dev, stored_format(gguf, None if random_weights else folder, cfg))
+    built = build_model(spec, choice.dtype, dev, random_weights=random_weights, seed=seed)
     if not random_weights:
         tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors()) if gguf is not None
                    else _safetensors(folder))

@@ -9,6 +9,9 @@ vLLM and llama.cpp will allocate.
     speed.py       the FLOP count (forward_flops), the crossover and compute-bound batches, the
                    cache / no-cache work table in tokens and FLOPs
     engines/       vllm.py and llamacpp.py: those engines' own log lines and command lines
+
+It stands on the standard library and the catalogue (no torch, no numpy), so `kvlab plan` answers
+at once; tests/test_cli_plan.py holds it to that.
 """
 
 from kvlab.plan.parallel import valid_tp_sizes

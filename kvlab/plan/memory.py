@@ -11,16 +11,29 @@ PREFILL_CHUNK = 8192  # tokens of one prefill step that the activation allowance
 
 def weights_split(spec: ModelSpec, dtype: StorageDtype) -> tuple[int, int]:
     """(bytes outside routed experts, bytes of routed experts) with weights in `dtype`;
-    embeddings and vectors stay 16-bit (32-bit if dtype is fp32)."""
+    embeddings and vectors stay 16-bit (32-bit if dtype is fp32), and so does every matrix
+    outside the experts for a format that covers only them (MXFP4)."""
     small = 4 if dtype.bits == 32 else 2
     dense, experts = spec.other_params * small, 0
     for m in spec.matrices:
-        size = matrix_bytes(dtype, m.rows, m.cols) if m.quantizable else m.rows * m.cols * small
-        if m.name.startswith("moe.experts"):
+        expert = m.name.startswith("moe.experts")
+        stored = m.quantizable and (expert or not dtype.experts_only)
+        size = matrix_bytes(dtype, m.rows, m.cols) if stored else m.rows * m.cols * small
+        if expert:
             experts += size * m.count
         else:
             dense += size * m.count
     return dense, experts
+
+
+def kv_layout(spec: ModelSpec, dtype: StorageDtype) -> str:
+    """The cache format's layout with the per-tensor scales this model keeps (fp8: K and V of
+    each layer, or MLA's one latent)."""
+    if not dtype.fixed_bytes_per_tensor:
+        return dtype.layout
+    tensors = "its latent" if spec.is_mla else "K and for V"
+    per_layer = spec.kv_fixed_bytes(dtype) // max(1, len(spec.attention_layers))
+    return f"{dtype.layout} for {tensors} ({per_layer} B per layer)"
 
 
 def kv_without_gqa(spec: ModelSpec, dtype: StorageDtype) -> int | None:

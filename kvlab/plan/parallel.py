@@ -49,6 +49,22 @@ def layer_kv_share(layer: LayerSpec, tp: int) -> float:
     return 1.0 / tp
 
 
+def kv_split(spec: ModelSpec, tp: int, dp_attention: bool = False) -> str:
+    """In words, how `tp` tensor-parallel GPUs divide one sequence's cache (``layer_kv_share``)."""
+    if tp == 1:
+        return "whole on one GPU"
+    if dp_attention:
+        return "DP attention: whole on the GPU that serves it"
+    if spec.is_mla:
+        return "MLA latent: whole on every GPU (all heads read it)"
+    kv = spec.num_kv_heads
+    if not kv:
+        return f"state split with the SSM heads, 1/{tp} per GPU"
+    if tp > kv:
+        return f"replicated: {kv} KV heads, one on each GPU, {tp // kv} copies of each"
+    return f"split by KV heads: {rank_kv_heads(kv, tp)} of {kv} per GPU"
+
+
 def seq_bytes_per_gpu(spec: ModelSpec, context: int, dtype: StorageDtype, tp: int, state_bytes: int) -> int:
     """One sequence's cache on each GPU at this TP size (windows capped, SSM state fixed)."""
     total = 0.0

@@ -17,9 +17,10 @@ from kvlab.engine.sizing import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacit
 from kvlab.hardware import Device, get_device, with_memory
 from kvlab.plan import capacity, speed
 from kvlab.plan.engines import llamacpp, vllm
-from kvlab.plan.memory import PREFILL_CHUNK, kv_without_gqa, layer_breakdown, weights_split
-from kvlab.plan.parallel import check_tp, layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
+from kvlab.plan.memory import PREFILL_CHUNK, kv_layout, kv_without_gqa, layer_breakdown, weights_split
+from kvlab.plan.parallel import check_tp, kv_split, layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
 from kvlab.spec import ModelSpec
+from kvlab.units import plural
 
 __all__ = ["Plan", "PlanRequest", "make_plan", "RUNTIME_OVERHEAD", "PREFILL_CHUNK"]
 
@@ -29,7 +30,7 @@ class PlanRequest:
     context: int = 8192
     users: int = 1
     kv_dtype: str = "bf16"
-    weights_dtype: str = "bf16"
+    weights_dtype: str = "auto"  # auto: the checkpoint's quantization_config, else bf16
     gpu: str = "h100-sxm"
     gpus: int | None = None
     tp: int | None = None
@@ -39,7 +40,7 @@ class PlanRequest:
     new_tokens: tuple[int, ...] = (64, 128, 256, 512)  # its rows
     kv_memory: int | None = None  # the engine's KV budget (bytes): sizes its block pool
     block_size: int = 16  # tokens per engine KV block
-    max_model_len: int | None = None  # for the engine's max concurrency (default: context)
+    max_model_len: int | None = None  # the engines' longest sequence (default: context)
     dp_attention: bool = False  # MLA: each rank holds whole caches of its share of the batch
     vllm: vllm.VllmSettings | None = None  # predict vLLM's start-up line
     llamacpp: llamacpp.LlamaCppSettings | None = None  # predict llama-server's KV line
@@ -89,9 +90,11 @@ class Plan:
     kv_bytes_per_token_without_gqa: int | None
     kv_fixed_bytes: int
     kv_layout: str
+    kv_split: str  # how TP divides a sequence's cache among the GPUs
     layer_breakdown: list[dict]
     # memory
     weights_bytes: int
+    weights_dtype_why: str  # --weights-dtype, the checkpoint's quantization_config, or the default
     stored_weights_bytes: int | None  # what the checkpoint file holds (GGUF: quantised tensors)
     stored_weights_formats: str | None
     num_params: int
@@ -104,7 +107,9 @@ class Plan:
     gpu_name: str
     gpu_memory_bytes: int
     usable_bytes_per_gpu: int
-    kv_budget_bytes_per_gpu: int
+    weights_bytes_per_gpu: int  # the GPU's share of the weights (1/TP)
+    kv_budget_bytes_per_gpu: int  # what the weights and allowances leave for the cache (0: nothing)
+    memory_shortfall_bytes_per_gpu: int  # by how much they exceed the usable memory (0: they fit)
     max_sequences: int
     max_context_for_users: int | None
     gpus_needed: int | None
@@ -125,7 +130,7 @@ class Plan:
     prefill_flops: float
     crossover_batch: int | None
     work_table: list[dict]
-    vllm_flags: str
+    vllm_flags: str | None  # None: not one sequence fits, so no vLLM line would start
     notes: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     # the engine's block pool for --kv-memory (kvlab.engine.sizing: what the engine allocates)
@@ -158,6 +163,16 @@ def choose_parallelism(spec: ModelSpec, req: PlanRequest) -> tuple[list[int], in
     return tps, tp, gpus
 
 
+def choose_weights(spec: ModelSpec, req: PlanRequest) -> tuple[StorageDtype, str]:
+    """(the linear layers' format, why): --weights-dtype, else the checkpoint's own format as its
+    quantization_config names it (DeepSeek-V3's fp8, gpt-oss's MXFP4 experts), else bf16."""
+    if req.weights_dtype != "auto":
+        return weight_dtype(req.weights_dtype), "--weights-dtype"
+    if spec.weights_format:
+        return weight_dtype(spec.weights_format), "the checkpoint's quantization_config"
+    return weight_dtype("bf16"), "the default: no quantization_config"
+
+
 def choose_device(req: PlanRequest) -> Device:
     """--gpu's datasheet; --gpu-memory replaces its memory only, and the device's name says so."""
     device = get_device(req.gpu)
@@ -179,11 +194,15 @@ def budget_for(spec: ModelSpec, device: Device, req: PlanRequest, weights: int, 
 
 
 def vllm_flags(req: PlanRequest, kvd: StorageDtype, tp: int, replicas: int, max_seqs: int,
-               notes: list[str]) -> str:
+               notes: list[str]) -> str | None:
+    """The `vllm serve` flags of this plan, or None where not one sequence fits each replica."""
+    per_replica = min(req.users, max_seqs // replicas)
+    if per_replica < 1:
+        return None
     vllm_kv = {"bf16": "auto", "fp16": "auto", "fp32": "auto", "fp8_e4m3": "fp8_e4m3",
                "fp8_e5m2": "fp8_e5m2"}.get(kvd.name)
-    flags = [f"--max-model-len {req.context}",
-             f"--max-num-seqs {max(1, min(req.users, max_seqs // replicas or 1))}",
+    flags = [f"--max-model-len {req.max_model_len or req.context}",
+             f"--max-num-seqs {per_replica}",
              f"--tensor-parallel-size {tp}", f"--gpu-memory-utilization {req.mem_util}"]
     if replicas > 1:
         flags.append(f"--data-parallel-size {replicas}")
@@ -218,7 +237,7 @@ def engine_prediction(spec: ModelSpec, req: PlanRequest, device: Device, weights
 
 def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     req.validate(spec)
-    kvd, wd = kv_dtype(req.kv_dtype), weight_dtype(req.weights_dtype)
+    kvd, (wd, wd_why) = kv_dtype(req.kv_dtype), choose_weights(spec, req)
     device = choose_device(req)
     state_bytes = 4 if wd.bits == 32 else 2  # SSM state stays in the activation dtype
     logit_bytes = 4 if kvd.bits == 32 else 2
@@ -297,7 +316,8 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     # 7. flags and the peer engine
     flags = vllm_flags(req, kvd, tp, replicas, max_seqs, notes)
     if max_seqs < B:
-        notes.append(f"{B} users of {T:,} tokens do not fit on {gpus} x {device.name}: room for {max_seqs}")
+        notes.append(f"{plural(B, 'user')} of {T:,} tokens {'does' if B == 1 else 'do'} not fit on "
+                     f"{gpus} x {device.name}: room for {max_seqs:,}")
     predicted = engine_prediction(spec, req, device, w_bytes, tp)
     if predicted and req.vllm is not None and predicted[3]["available_is_estimate"]:
         notes.append(f"vLLM measures its KV memory at start-up; this line uses kvlab's estimate of "
@@ -310,9 +330,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         kv_bytes_total=per_seq * B, kv_bytes_per_gpu=per_seq_gpu,
         kv_bytes_per_token_per_gpu=spec.tp_shard(tp).kv_bytes_per_token(kvd),
         kv_bytes_per_token_without_gqa=kv_without_gqa(spec, kvd),
-        kv_fixed_bytes=kvd.fixed_bytes_per_tensor * 2 * len(kv_layers), kv_layout=kvd.layout,
+        kv_fixed_bytes=spec.kv_fixed_bytes(kvd), kv_layout=kv_layout(spec, kvd),
+        kv_split=kv_split(spec, tp, req.dp_attention),
         layer_breakdown=layer_breakdown(spec, T, kvd, state_bytes),
-        weights_bytes=w_bytes,
+        weights_bytes=w_bytes, weights_dtype_why=wd_why,
         stored_weights_bytes=spec.stored_weights.bytes if spec.stored_weights else None,
         stored_weights_formats=spec.stored_weights.describe() if spec.stored_weights else None,
         num_params=spec.num_params, active_params=spec.active_params,
@@ -320,7 +341,8 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         logits_bytes_last_only=budget.logits,
         activation_allowance_bytes=budget.activations, runtime_overhead_bytes=budget.runtime,
         gpu_name=device.name, gpu_memory_bytes=device.memory_bytes, usable_bytes_per_gpu=budget.usable,
-        kv_budget_bytes_per_gpu=budget.kv,
+        weights_bytes_per_gpu=budget.weights, kv_budget_bytes_per_gpu=max(0, budget.kv),
+        memory_shortfall_bytes_per_gpu=max(0, -budget.kv),
         max_sequences=int(max_seqs), max_context_for_users=max_ctx, gpus_needed=gpus_needed,
         gpus_needed_cache_only=cache_only, valid_tp_sizes=tps, kv_replicated=replicated,
         decode_step_seconds=max(t_w + t_kv, t_c), decode_weights_seconds=t_w, decode_kv_seconds=t_kv,
@@ -334,7 +356,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         prefill_flops=flops,
         crossover_batch=speed.crossover_batch(per_seq_gpu, weights_read),
         work_table=speed.work_table(spec, req.prompt, req.new_tokens),
-        vllm_flags=flags, notes=notes, sources=_sources(wd, device),
+        vllm_flags=flags, notes=notes, sources=_sources(wd, wd_why, device),
         kv_cache_blocks=cap.blocks if cap else None,
         kv_cache_tokens=cap.tokens if cap else None,
         max_concurrency=cap.max_concurrency if cap else None,
@@ -346,12 +368,13 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     )
 
 
-def _sources(wd: StorageDtype, device: Device) -> dict[str, str]:
+def _sources(wd: StorageDtype, wd_why: str, device: Device) -> dict[str, str]:
     return {
         "kv_bytes_per_token": "sum over layers of K and V vectors per token x dtype bytes "
                               "(2 x kv_heads x head_dim x bytes for GQA; kv_lora_rank + rope dim for MLA)",
         "kv_bytes_per_sequence": "per layer: bytes/token x min(context, window) + fixed SSM state",
-        "weights_bytes": f"parameters from config.json; linear layers in {wd.name} ({wd.layout}), "
+        "weights_bytes": f"parameters from config.json; linear layers in {wd.name} ({wd.layout}; "
+                         f"{wd_why}), "
                          f"embeddings and norms in {'fp32' if wd.bits == 32 else '16-bit'}",
         "logits": "positions x vocab_size x 2 B: all prompt positions vs the last one only",
         "activation_allowance": f"estimate: one {PREFILL_CHUNK}-token prefill chunk x "

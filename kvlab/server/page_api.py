@@ -38,7 +38,7 @@ class ModelChoice(BaseModel):
     model: str | None = Field(None, max_length=200)
     config: dict[str, Any] | None = None
     kv_dtype: str = "bf16"
-    weights_dtype: str = "bf16"
+    weights_dtype: str = "auto"  # as `kvlab plan`: the checkpoint's quantization_config, else bf16
     gpu: str = "h100-sxm"
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvlab import dispatch
 from kvlab.dtypes import MODEL_DTYPE_HELP
 from kvlab.engine.options import EngineOptions, add_engine_args
 
@@ -69,7 +70,10 @@ def build_bridge(model: str | Path | None, options: EngineOptions | None = None,
     # tensor-parallel workers cut their shards from a whole model in this process's memory
     loaded = load(model, dtype, device="cpu" if options.tp > 1 else device, random_weights=random_weights,
                   seed=seed)
-    logging.getLogger("kvlab.server").info("%s in %s", loaded.model.name, loaded.dtype)
+    logger = logging.getLogger("kvlab.server")
+    logger.info("%s in %s", loaded.model.name, loaded.dtype)
+    logger.info("CPU paths: %s", "; ".join(f"{f.switch} {'on' if f else 'off'} ({f.why})"
+                                           for f in dispatch.report()))
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=device, **asdict(options))
     return EngineBridge(llm.engine, served_model_name or loaded.model.name, loaded.chat_template)
 

@@ -60,12 +60,11 @@ def _plan(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtyp
 def plan_view(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str,
               gpu: str, gpus: int = 1, tp: int | None = None) -> dict:
     """The plan on `gpus` GPUs (TP `tp`, default all of them), plus one GPU's memory bar: its
-    share of the weights, the cache of the sequences it holds, logits, activations and runtime.
-    The weights' share is read back from the planner's budget (kv = usable - weights - the
-    rest), not computed again here."""
+    share of the weights (the planner's, not computed again here), the cache of the sequences it
+    holds, logits, activations and runtime."""
     p = _plan(spec, context, users, kv_dtype, weights_dtype, gpu, gpus, tp)
     overhead = p.logits_bytes_last_only + p.activation_allowance_bytes + p.runtime_overhead_bytes
-    weights = p.usable_bytes_per_gpu - p.kv_budget_bytes_per_gpu - overhead
+    weights = p.weights_bytes_per_gpu
     on_one = "" if p.gpus == 1 else " on this GPU"
     segments: list[dict] = [
         {"key": "weights", "label": "weights" + ("" if p.tp == 1 else f" (1/{p.tp}, TP {p.tp})"), "bytes": weights},

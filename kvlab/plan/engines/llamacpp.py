@@ -18,9 +18,8 @@ common/common.h, common/arg.cpp):
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvlab.engine.sizing import cdiv
 from kvlab.spec import LayerSpec, ModelSpec
@@ -49,8 +48,10 @@ def row_bytes(cache_type: str, n: int) -> int:
 
 
 def mib(n: int) -> str:
-    """A byte count as llama.cpp prints it: a 32-bit float of MiB, '%7.2f'."""
-    return "%7.2f" % float(np.float32(n) / np.float32(1024 * 1024))
+    """A byte count as llama.cpp prints it: a 32-bit float of MiB, '%7.2f'. The count is rounded
+    to a float32 (struct, so the planner needs no numpy); dividing it by 2**20 is exact."""
+    as_f32 = struct.unpack("f", struct.pack("f", n))[0]
+    return "%7.2f" % (as_f32 / (1024 * 1024))
 
 
 @dataclass(frozen=True)
