@@ -41,13 +41,13 @@ def main() -> None:
     name = args.model or DEFAULT_MODEL
     cfg, label = load_config(name)
     phase("GGUF metadata and config")
-    from kvlab.models.loader import _assign_weights, build_model, choose_dtype
+    from kvlab.models.loader import _assign_weights, build_model, choose_dtype, stored_format
 
-    choice = choose_dtype(args.dtype)
+    file = gguf_file(model_path(name))
+    choice = choose_dtype(args.dtype, "cpu", stored_format(file, None, cfg))
     phase(f"choose the dtype: {choice}")
     model = build_model(spec_from_config(cfg, label), choice.dtype)
     phase("build the model on the meta device")
-    file = gguf_file(model_path(name))
     arrays = list(file.tensors())
     phase("dequantise the weights")
     _assign_weights(model, ((k, torch.from_numpy(a)) for k, a in arrays), label, choice.dtype, torch.device("cpu"))
