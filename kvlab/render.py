@@ -163,7 +163,10 @@ def print_measurement(m: Measurement, console: Console | None = None) -> None:
     t = _table(f"1. Cache tensors after a {k.context:,}-token prefill")
     t.add_row("tensors", f"{k.tensors}", "shapes " + ", ".join(str(tuple(s)) for s in k.shapes))
     t.add_row("total", f"{k.total_bytes:,} B", f"formula {k.formula_bytes:,} B")
-    t.add_row("bytes per token", f"{k.counted_bytes_per_token:,.1f}", f"formula {k.formula_bytes_per_token:,}")
+    windowed = k.formula_bytes != k.context * k.formula_bytes_per_token
+    t.add_row("bytes per token", f"{k.counted_bytes_per_token:,.1f}",
+              f"formula {k.formula_bytes / k.context:,.1f} at this context; {k.formula_bytes_per_token:,} "
+              f"while every layer grows" if windowed else f"formula {k.formula_bytes_per_token:,}")
     if len(k.by_kind) > 1:
         for kind, (n, counted, formula) in k.by_kind.items():
             t.add_row(f"  {kind} layers", f"{counted:,} B", f"{n} tensors; formula {formula:,} B")
@@ -177,8 +180,13 @@ def print_measurement(m: Measurement, console: Console | None = None) -> None:
     for n, a, f, (ma, mf) in zip(s.contexts, s.allocated_bytes, s.formula_bytes, steps):
         st.add_row(f"{n:,}", f"{a:,}", f"{f:,}", ma, mf)
     c.print(st)
-    c.print(f"slope {s.slope_bytes_per_token:,.1f} B/token vs formula {s.formula_bytes_per_token:,} "
-            f"({s.deviation_percent:+.3f}%)")
+    if len(set(s.formula_marginal_bytes_per_token)) > 1:  # windows: no single slope to fit
+        c.print(f"growth bends where sliding layers reach their window: {s.marginal_bytes_per_token[0]:,.1f} "
+                f"-> {s.marginal_bytes_per_token[-1]:,.1f} B/token (formula {s.formula_marginal_bytes_per_token[0]:,.1f} "
+                f"-> {s.formula_marginal_bytes_per_token[-1]:,.1f})")
+    else:
+        c.print(f"slope {s.slope_bytes_per_token:,.1f} B/token vs formula {s.formula_bytes_per_token:,} "
+                f"({s.deviation_percent:+.3f}%)")
     p = m.prefill
     t = _table(f"3. Extra memory of a {p.context:,}-token prefill (beyond the cache)")
     t.add_row("all-position logits", fmt_bytes(p.extra_all_positions),
