@@ -184,7 +184,7 @@ class GGUFFile:
         arch = self.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported; supported: "
-                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
+                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3)")
         return arch
 
     @property
