@@ -216,3 +216,27 @@ def test_engine_frees_window_blocks_and_matches_the_plain_loop(ours, preemption)
     assert llm.metrics().preemptions > 0
     # a sliding table spans at most the window plus one step's chunk, never the whole sequence
     assert max(held) <= cdiv(WINDOW - 1 + chunk - 1, block) + 1 < cdiv(30 + 40, block)
+
+
+def test_transformers_folder_with_scaled_global_rope(tmp_path):
+    """A folder transformers 5 writes (rope_parameters per layer type, linear scaling on the
+    global layers as Gemma 3 4B+ have, layer_types listed) runs as transformers runs it."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=4, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=32,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from their zero init, so that (1 + w) is exercised
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    ours = load(tmp_path, "fp32").model
+    assert [layer.kind for layer in ours.spec.layers] == ["sliding", "full", "sliding"]
+    ids = torch.arange(20) % 128
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, torch.arange(20), NoCache(ours.spec)), hf(ids[None]).logits[0],
+                                   atol=1e-4, rtol=1e-4)
