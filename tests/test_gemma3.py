@@ -240,3 +240,26 @@ def test_transformers_folder_with_scaled_global_rope(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, torch.arange(20), NoCache(ours.spec)), hf(ids[None]).logits[0],
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_optional_model_by_short_name(gemma_file, tmp_path, monkeypatch, capsys):
+    """An optional model's file in KVLAB_MODELS is listed with its path and taken by short name;
+    without it, a one-line message says how to install it."""
+    from kvlab.catalog import OPTIONAL, model_path
+    from kvlab.cli import main
+    from kvlab.spec import ConfigError
+
+    monkeypatch.setenv("KVLAB_MODELS", str(tmp_path))
+    with pytest.raises(ConfigError, match="kvlab models --install gemma3-270m"):
+        model_path("gemma3-270m")
+    assert main(["generate", "gemma3-270m", "hello"]) == 2
+    assert "kvlab models --install gemma3-270m" in capsys.readouterr().err
+    (tmp_path / OPTIONAL["gemma3-270m"].file).symlink_to(gemma_file)
+    assert main(["models", "--json"]) == 0
+    rows = {r["alias"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["gemma3-270m"]["path"] == str(tmp_path / OPTIONAL["gemma3-270m"].file)
+    assert rows["gemma3-270m"]["layers"] == {f"sliding({WINDOW})": 5, "full": 1}
+    assert "qwen2.5-coder-1.5b" not in rows
+    assert main(["generate", "gemma3-270m", "hello", "--max-tokens", "3", "--dtype", "fp32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "tiny-gemma3" and out["new_tokens"] == 3
