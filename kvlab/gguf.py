@@ -9,7 +9,12 @@ it and dequantises every quantisation type; this module only translates names:
 - tensors ``blk.N.attn_q.weight``... become the runtime's Hugging Face names, dequantised to
   float32 one tensor at a time (the caller converts each to the run dtype before the next is
   read, so the model is never held twice), with llama.cpp's Q/K row permutation undone;
-- ``tokenizer.ggml.*`` becomes a ``tokenizers.Tokenizer`` (byte-level BPE).
+- ``tokenizer.ggml.*`` becomes a ``tokenizers.Tokenizer`` (byte-level BPE, or SentencePiece's
+  BPE with byte fallback for ``llama``-model vocabularies such as Gemma's);
+- Gemma 3's norms go back to Hugging Face's form: llama.cpp's converter stores 1 + w.
+
+``export_folder`` writes the dequantised file as a Hugging Face checkpoint folder, so that
+transformers can run the very weights kvlab runs (the parity checks).
 
 Nothing here imports torch: ``kvlab plan FILE.gguf`` stays light.
 """
@@ -34,6 +39,7 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 # Per-layer tensors: GGUF name -> runtime (HF) name under model.layers.N.
@@ -44,6 +50,14 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 normalises around attention and MLP: ffn_norm is the norm before the MLP there.
+_GEMMA3_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                   "post_attention_norm": "post_attention_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
+# What llama.cpp's gemma3 loader fixes rather than stores: every 6th layer global, the others
+# sliding with RoPE base 10,000, queries scaled by head_dim (llama-model.cpp; its 27B alone
+# scales by hidden/heads, which a GGUF does not record: kvlab takes key_length).
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_BASE = 6, 10000.0
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
 
@@ -59,7 +73,8 @@ _SPLITS = {
 }
 _SPLITS["llama3"] = _SPLITS["llama-v3"] = _SPLITS["llama-bpe"]
 PRE_TOKENIZERS = sorted(_GPT2_STYLE | _DIGITS_THEN_GPT2 | set(_SPLITS))
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
+_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -188,12 +203,18 @@ class GGUFFile:
             return []
         return [int(field.parts[i][0]) for i in field.data]
 
+    def floats(self, key: str) -> list[float]:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return []
+        return [float(field.parts[i][0]) for i in field.data]
+
     @cached_property
     def architecture(self) -> str:
         arch = self.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported; supported: "
-                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3)")
+                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3)")
         return arch
 
     @property
@@ -248,6 +269,10 @@ class GGUFFile:
         window = self._arch("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
+        if arch == "gemma3":
+            cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"],
+                       sliding_window_pattern=_GEMMA3_PATTERN, rope_local_base_freq=_GEMMA3_LOCAL_BASE)
+            del cfg["hidden_act"]
         for key in ("bos_token_id", "eos_token_id"):
             value = self.get(f"tokenizer.ggml.{key}")
             if value is not None:
@@ -267,7 +292,7 @@ class GGUFFile:
         stem, _, kind = name.rpartition(".")
         if stem.startswith("blk."):
             _, idx, part = stem.split(".", 2)
-            target = _LAYER_TENSORS.get(part)
+            target = (_GEMMA3_TENSORS if self.architecture == "gemma3" else _LAYER_TENSORS).get(part)
             return f"model.layers.{idx}.{target}.{kind}" if target else None
         target = _GLOBAL_TENSORS.get(stem)
         return f"{target}.{kind}" if target else None
@@ -275,7 +300,8 @@ class GGUFFile:
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(runtime name, float32 array in Hugging Face's [out, in] layout), one at a time."""
         cfg = self.config()
-        permute = self.architecture == "llama"  # qwen2/qwen3 GGUFs keep HF's row order
+        permute = self.architecture == "llama"  # qwen2/qwen3/gemma3 GGUFs keep HF's row order
+        norm_shift = self.architecture == "gemma3"  # stored as 1 + w (llama.cpp's converter)
         for t in self.reader.tensors:
             name = self.runtime_name(t.name)
             if name is None:
@@ -292,37 +318,28 @@ class GGUFFile:
                 data = unpermute_rope_rows(data, cfg["num_attention_heads"])
             elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 data = unpermute_rope_rows(data, cfg["num_key_value_heads"])
+            elif norm_shift and t.name.endswith("norm.weight"):
+                data -= 1.0
             yield name, data
 
     # --- tokenizer --------------------------------------------------------------------------------
     def tokenizer(self):  # -> tokenizers.Tokenizer (import kept local: tokenizers is optional here)
         """The file's vocabulary as a ``tokenizers`` Tokenizer: byte-level BPE with the file's
-        merges, llama.cpp's pre-tokenizer for ``tokenizer.ggml.pre``, control tokens as special
+        merges and llama.cpp's pre-tokenizer for ``tokenizer.ggml.pre`` ("gpt2" model), or
+        SentencePiece BPE ("llama" model, see ``_sentencepiece``); control tokens as special
         tokens, BOS/EOS added as ``add_bos_token`` / ``add_eos_token`` say."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, Tokenizer, processors
 
         kind = self.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ConfigError(f"{self.path.name}: tokenizer model {kind!r} is not supported (byte-level "
-                              f"BPE, 'gpt2', only)")
-        pre = self.get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
-            raise ConfigError(f"{self.path.name}: pre-tokenizer {pre!r} is not supported; supported: "
-                              f"{', '.join(PRE_TOKENIZERS)}")
         tokens = self.strings("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self.strings("tokenizer.ggml.merges")]
-        types = self.ints("tokenizer.ggml.token_type") or [1] * len(tokens)
-        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
-        if pre in _SPLITS:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
-        elif pre in _DIGITS_THEN_GPT2:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        types = self.ints("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        if kind == "gpt2":
+            tok = self._byte_level(tokens)
+        elif kind == "llama":
+            tok = self._sentencepiece(tokens, types)
         else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
+            raise ConfigError(f"{self.path.name}: tokenizer model {kind!r} is not supported (byte-level "
+                              f"BPE 'gpt2' and SentencePiece BPE 'llama' only)")
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _CONTROL])
         tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -334,6 +351,51 @@ class GGUFFile:
                      for k, on in (("bos", add_bos), ("eos", add_eos)) if on]
             single = ([marks[0][0]] if add_bos else []) + ["$A"] + ([marks[-1][0]] if add_eos else [])
             tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=marks)
+        return tok
+
+    def _byte_level(self, tokens: list[str]):  # -> tokenizers.Tokenizer
+        """GPT-2-style byte-level BPE: the file's merges, llama.cpp's pre-tokenizer regex."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        pre = self.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ConfigError(f"{self.path.name}: pre-tokenizer {pre!r} is not supported; supported: "
+                              f"{', '.join(PRE_TOKENIZERS)}")
+        merges = [tuple(m.split(" ", 1)) for m in self.strings("tokenizer.ggml.merges")]
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+        if pre in _SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
+        elif pre in _DIGITS_THEN_GPT2:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    def _sentencepiece(self, tokens: list[str], types: list[int]):  # -> tokenizers.Tokenizer
+        """SentencePiece BPE as llama.cpp runs it (its "llama" vocabularies, e.g. Gemma's):
+        spaces become U+2581, then the adjacent pair whose union is the highest-scoring piece
+        merges first; characters outside the vocabulary fall back to <0xNN> byte pieces. The
+        file has scores, not merges; as ranked BPE merges that rule is every split of every
+        normal piece into two pieces, ranked by the whole piece's score."""
+        from tokenizers import Tokenizer, decoders, models, normalizers
+
+        if self.get("tokenizer.ggml.add_space_prefix", True):
+            raise ConfigError(f"{self.path.name}: SentencePiece vocabularies with add_space_prefix "
+                              f"(Llama 2 style) are not supported yet")
+        scores = self.floats("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        ranked = sorted((-scores[i], i, t[:k], t[k:]) for t, i in vocab.items() if types[i] == _NORMAL
+                        for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab)
+        unk = self.get("tokenizer.ggml.unknown_token_id")
+        tok = Tokenizer(models.BPE(vocab, [(a, b) for _, _, a, b in ranked], byte_fallback=True,
+                                   unk_token=None if unk is None else tokens[int(unk)]))
+        tok.normalizer = normalizers.Replace(" ", _SPACE)
+        tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
         return tok
 
     def special_token(self, key: str) -> str:
@@ -352,3 +414,24 @@ class GGUFFile:
         """EOS and end-of-turn ids: generation stops at either."""
         ids = [self.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
         return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def export_folder(gguf_file: GGUFFile, folder: str | Path) -> Path:
+    """Write the file as a Hugging Face checkpoint folder: config.json, the dequantised weights
+    (float32) in model.safetensors under the runtime's names, tokenizer.json and
+    generation_config.json (EOS ids). transformers then runs exactly the weights kvlab runs."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(gguf_file.config(), indent=2))
+    save_file(dict(gguf_file.tensors()), str(out / "model.safetensors"))
+    gguf_file.tokenizer().save(str(out / "tokenizer.json"))
+    tok_cfg = {"bos_token": gguf_file.special_token("bos"), "eos_token": gguf_file.special_token("eos")}
+    if gguf_file.chat_template:
+        tok_cfg["chat_template"] = gguf_file.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(gguf_file.eos_token_ids())}))
+    return out

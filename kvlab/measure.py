@@ -28,6 +28,7 @@ from kvlab.models.llama import CausalLM
 from kvlab.plan import work_table
 from kvlab.progress import Report, no_report
 from kvlab.sampling import SamplingParams
+from kvlab.dtypes import kv_dtype
 from kvlab.spec import ModelSpec
 
 _KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -118,6 +119,12 @@ class CacheCount:
     counted_bytes_per_token: float
     formula_bytes: int
     formula_bytes_per_token: int
+    # per layer type ("full", "sliding(512)"...): [tensors, counted bytes, formula bytes]
+    by_kind: dict[str, list[int]]
+
+
+def _kind(layer) -> str:
+    return f"sliding({layer.window})" if layer.kind == "sliding" else layer.kind
 
 
 @torch.inference_mode()
@@ -130,8 +137,14 @@ def count_cache(model: CausalLM, context: int) -> CacheCount:
     total = sum(t.numel() * t.element_size() for t in tensors)
     shapes = sorted({tuple(t.shape) for t in tensors})
     dtype = _KV_DTYPE_NAMES[model.dtype]
+    by_kind: dict[str, list[int]] = {}
+    for layer, k, v in zip(spec.layers, cache.k, cache.v):
+        row = by_kind.setdefault(_kind(layer), [0, 0, 0])
+        row[0] += 2
+        row[1] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        row[2] += layer.kv_bytes_per_token(kv_dtype(dtype)) * layer.cached_tokens(context)
     return CacheCount(context, len(tensors), [list(s) for s in shapes], dtype, total, total / context,
-                      spec.kv_bytes_per_sequence(context, dtype), spec.kv_bytes_per_token(dtype))
+                      spec.kv_bytes_per_sequence(context, dtype), spec.kv_bytes_per_token(dtype), by_kind)
 
 
 @dataclass
@@ -142,6 +155,10 @@ class Slope:
     slope_bytes_per_token: float
     formula_bytes_per_token: int
     deviation_percent: float
+    # bytes per token between each context and the next, measured and by formula: where sliding
+    # layers stop growing at their window, the growth bends there
+    marginal_bytes_per_token: list[float]
+    formula_marginal_bytes_per_token: list[float]
 
 
 @torch.inference_mode()
@@ -164,8 +181,13 @@ def cache_slope(model: CausalLM, contexts: Sequence[int]) -> Slope:
     xs, ys = torch.tensor(contexts, dtype=torch.float64), torch.tensor(measured, dtype=torch.float64)
     slope = float(((xs - xs.mean()) * (ys - ys.mean())).sum() / ((xs - xs.mean()) ** 2).sum())
     formula = spec.kv_bytes_per_token(dtype)
-    return Slope(list(contexts), measured, [spec.kv_bytes_per_sequence(n, dtype) for n in contexts],
-                 slope, formula, 100 * (slope - formula) / formula if formula else 0.0)
+    predicted = [spec.kv_bytes_per_sequence(n, dtype) for n in contexts]
+
+    def marginal(ys: Sequence[int]) -> list[float]:
+        return [(b - a) / (n1 - n0) for a, b, n0, n1 in zip(ys, ys[1:], contexts, contexts[1:])]
+
+    return Slope(list(contexts), measured, predicted, slope, formula,
+                 100 * (slope - formula) / formula if formula else 0.0, marginal(measured), marginal(predicted))
 
 
 @dataclass

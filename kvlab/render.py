@@ -128,10 +128,12 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
 
 
 def print_models(rows: list[dict], console: Console | None = None) -> None:
-    """The catalogue, one model per two lines: the short name and the Hugging Face id each on its
-    own line and never cut, since either is what the user types next (any width from 80 up)."""
+    """The catalogue, one model per two lines: the short name and the Hugging Face id (for a
+    model file on this machine: a note, its path follows the table, where it may wrap) each on its own line and never cut, since either is what the user types next (any
+    width from 80 up)."""
     c = console or Console()
-    t = Table(title="kvlab catalogue: plan any of these by either name (KV per token at 16-bit)",
+    t = Table(title="kvlab models: model files on this machine (run by short name), then the catalogue "
+                    "(plan by either name); KV per token at 16-bit",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("name / Hugging Face id", no_wrap=True)
     t.add_column("params", justify="right", no_wrap=True)
@@ -139,9 +141,13 @@ def print_models(rows: list[dict], console: Console | None = None) -> None:
     t.add_column("layers")
     for r in rows:
         kinds = ", ".join(f"{n} {k}" for k, n in r["layers"].items())
-        t.add_row(f"[bold]{r['alias']}[/]\n{r['id']}", fmt_count(r["params"]), fmt_iec(r["kv_bytes_per_token"]),
+        second = "on this machine (path below)" if r.get("path") else r["id"]
+        t.add_row(f"[bold]{r['alias']}[/]\n{second}", fmt_count(r["params"]), fmt_iec(r["kv_bytes_per_token"]),
                   f"{r['model_type']}: {kinds}")
     c.print(t)
+    for r in rows:
+        if r.get("path"):
+            c.print(f"{r['alias']}: {r['path']}", soft_wrap=True, highlight=False)
 
 
 def differing_outputs_note(same: int, total: int, dtype: str, what: str) -> str | None:
@@ -167,17 +173,30 @@ def print_measurement(m: Measurement, console: Console | None = None) -> None:
     t = _table(f"1. Cache tensors after a {k.context:,}-token prefill")
     t.add_row("tensors", f"{k.tensors}", "shapes " + ", ".join(str(tuple(s)) for s in k.shapes))
     t.add_row("total", f"{k.total_bytes:,} B", f"formula {k.formula_bytes:,} B")
-    t.add_row("bytes per token", f"{k.counted_bytes_per_token:,.1f}", f"formula {k.formula_bytes_per_token:,}")
+    windowed = k.formula_bytes != k.context * k.formula_bytes_per_token
+    t.add_row("bytes per token", f"{k.counted_bytes_per_token:,.1f}",
+              f"formula {k.formula_bytes / k.context:,.1f} at this context; {k.formula_bytes_per_token:,} "
+              f"while every layer grows" if windowed else f"formula {k.formula_bytes_per_token:,}")
+    if len(k.by_kind) > 1:
+        for kind, (n, counted, formula) in k.by_kind.items():
+            t.add_row(f"  {kind} layers", f"{counted:,} B", f"{n} tensors; formula {formula:,} B")
     c.print(t)
     s = m.slope
     st = Table(title="2. Allocated cache bytes over contexts", title_justify="left")
-    for col in ("context", "allocated", "formula"):
+    for col in ("context", "allocated", "formula", "B/token since previous", "formula"):
         st.add_column(col, justify="right")
-    for n, a, f in zip(s.contexts, s.allocated_bytes, s.formula_bytes):
-        st.add_row(f"{n:,}", f"{a:,}", f"{f:,}")
+    steps = [("", "")] + [(f"{a:,.1f}", f"{f:,.1f}") for a, f in
+                          zip(s.marginal_bytes_per_token, s.formula_marginal_bytes_per_token)]
+    for n, a, f, (ma, mf) in zip(s.contexts, s.allocated_bytes, s.formula_bytes, steps):
+        st.add_row(f"{n:,}", f"{a:,}", f"{f:,}", ma, mf)
     c.print(st)
-    c.print(f"slope {s.slope_bytes_per_token:,.1f} B/token vs formula {s.formula_bytes_per_token:,} "
-            f"({s.deviation_percent:+.3f}%)")
+    if len(set(s.formula_marginal_bytes_per_token)) > 1:  # windows: no single slope to fit
+        c.print(f"growth bends where sliding layers reach their window: {s.marginal_bytes_per_token[0]:,.1f} "
+                f"-> {s.marginal_bytes_per_token[-1]:,.1f} B/token (formula {s.formula_marginal_bytes_per_token[0]:,.1f} "
+                f"-> {s.formula_marginal_bytes_per_token[-1]:,.1f})")
+    else:
+        c.print(f"slope {s.slope_bytes_per_token:,.1f} B/token vs formula {s.formula_bytes_per_token:,} "
+                f"({s.deviation_percent:+.3f}%)")
     p = m.prefill
     t = _table(f"3. Extra memory of a {p.context:,}-token prefill (beyond the cache)")
     t.add_row("all-position logits", fmt_bytes(p.extra_all_positions),

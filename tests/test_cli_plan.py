@@ -96,13 +96,13 @@ print(json.dumps({"code": code, "heavy": [m for m in ("torch", "numpy", "transfo
     (["plan", "deepseek-v3", "--gpus", "8", "--json"], []),
     (["plan", "qwen2.5-0.5b", "--engine", "vllm", "--max-model-len", "4096", "--kv-memory", "1GiB"], []),
     (["plan", "qwen2.5-0.5b", "--engine", "llama.cpp", "-c", "4096"], ["numpy"]),  # gguf's block sizes
-    (["models"], []),
+    (["models"], ["numpy"]),  # the installed GGUF files' headers (the gguf package)
     (["models", "--install", "smollm2-135m", "--dry-run"], []),
 ])
 def test_planner_commands_import_no_torch(argv, allowed):
     """`kvlab plan` (with or without --engine) and `kvlab models` are arithmetic on configs: they
-    must not pay torch's start-up (issue 27). llama.cpp's cache types come from the gguf package,
-    which brings numpy; nothing else heavy may load."""
+    must not pay torch's start-up (issue 27). llama.cpp's cache types and the installed GGUF files'
+    headers come from the gguf package, which brings numpy; nothing else heavy may load."""
     r = subprocess.run([sys.executable, "-c", _IMPORTS, *argv], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -42,6 +42,25 @@ def test_allocated_slope_equals_formula():
     assert abs(s.deviation_percent) < 1e-9
 
 
+GEMMA3 = llama_like(**{**TINY, "num_hidden_layers": 6, "num_key_value_heads": 1, "head_dim": 16},
+                    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=32,
+                    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16)
+
+
+def test_gemma3_window_bends_the_growth():
+    """Gemma 3's pattern (5 sliding layers, window 32, then a global one): per layer type the
+    counted bytes equal the formula, and past the window only the global layer still grows."""
+    model = build_model(spec_from_config(GEMMA3), "fp32", random_weights=True, seed=1)
+    c = count_cache(model, 100)
+    per_layer = 2 * 16 * 4  # K and V, one head of 16, fp32
+    assert c.by_kind == {"sliding(32)": [10, 5 * 32 * per_layer, 5 * 32 * per_layer],
+                         "full": [2, 100 * per_layer, 100 * per_layer]}
+    s = cache_slope(model, [16, 32, 64, 128])
+    assert s.allocated_bytes == s.formula_bytes
+    assert s.marginal_bytes_per_token == s.formula_marginal_bytes_per_token == [6 * per_layer, per_layer,
+                                                                                per_layer]
+
+
 def test_all_position_logits_dominate_prefill_memory():
     model = tiny_model(vocab_size=8192)  # vocab >> hidden, as in real models
     p = prefill_memory(model, 256)
@@ -81,6 +100,17 @@ def test_cli_json_and_plot(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["formula_bytes_per_token"] == out["counted_bytes_per_token"] == out["slope_bytes_per_token"]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_shows_the_bend_per_layer_type(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(GEMMA3))
+    assert main(["measure", str(cfg), "--random-weights", "--dtype", "fp32", "--contexts", "16,32,64",
+                 "--new-tokens", "2", "--prompt", "4"]) == 0
+    out = capsys.readouterr().out
+    per_layer = 2 * 16 * 4
+    assert f"growth bends where sliding layers reach their window: {6 * per_layer:,}.0 -> {per_layer}.0" in out
+    assert "sliding(32) layers" in out and "full layers" in out
 
 
 def test_cli_rejects_context_beyond_model(tmp_path, capsys):

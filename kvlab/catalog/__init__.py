@@ -1,5 +1,6 @@
 """The built-in catalogue: verbatim Hugging Face configs (configs/, sources in SOURCES.md), and
-the models kvlab can run without a download, by short name (``BUNDLED``)."""
+the models kvlab can run without a download, by short name: ``BUNDLED`` ones, and ``OPTIONAL``
+ones once installed (``kvlab.catalog.optional``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from kvlab.catalog.optional import OPTIONAL, OptionalModel
 from kvlab.spec import ConfigError, ModelSpec, read_config, spec_from_config
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -138,12 +140,25 @@ def bundled(name: str) -> BundledModel:
 
 
 def model_path(model: str | Path) -> Path | None:
-    """The file or folder a bundled name or a path names (None for catalogue names)."""
-    bundled = BUNDLED.get(str(model).strip().lower())
-    if bundled is not None:
-        return bundled.path()
+    """The file or folder a bundled or optional model's short name or a path names (None for
+    catalogue names)."""
+    key = str(model).strip().lower()
+    named = BUNDLED.get(key) or OPTIONAL.get(key)
+    if named is not None:
+        return named.path()
     path = Path(model).expanduser()
     return path if path.exists() else None
+
+
+def model_files() -> list[tuple[BundledModel | OptionalModel, Path]]:
+    """The bundled and optional models whose files are on this machine, with their paths."""
+    found = []
+    for m in [*BUNDLED.values(), *OPTIONAL.values()]:
+        try:
+            found.append((m, m.path()))
+        except ConfigError:  # not installed
+            continue
+    return found
 
 
 def gguf_file(model: str | Path):  # -> kvlab.gguf.GGUFFile | None (imported lazily)

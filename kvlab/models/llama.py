@@ -1,10 +1,13 @@
-"""One decoder for the standard-attention families: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3.
+"""One decoder for the standard-attention families: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3.
 
 They differ only in small switches, all read from the spec / raw config:
 - Qwen2: bias on q/k/v projections;  Llama: ``attention_bias`` (q/k/v/o), ``mlp_bias``;
 - Qwen3: RMSNorm over each head of q and k before RoPE;
 - Mistral (and any config with sliding layers): a sliding window, applied by the backend;
-- RoPE: default, "linear" or Llama 3's "llama3" frequency scaling.
+- RoPE: default, "linear" or Llama 3's "llama3" frequency scaling;
+- Gemma 3 (``gemma3_text``): embeddings scaled by sqrt(hidden), (1 + w) RMSNorms, four of them
+  per layer (before and after attention and MLP), q/k norms, GeGLU (tanh GELU), queries scaled
+  by ``query_pre_attn_scalar``, and its own RoPE base on the sliding layers.
 
 Module names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``...) so a checkpoint's
 state dict loads as is. The forward pass works on flat tokens and leaves every cache decision
@@ -28,18 +31,26 @@ from kvlab.models.attention import AttentionBackend, NativeAttention
 from kvlab.models.invariant import check_linears, pad_rows
 from kvlab.spec import LayerSpec, ModelSpec
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+GEMMA = "gemma3_text"
 
 
 class UnsupportedModelError(ValueError):
     """The runtime cannot run this architecture (the message names it and what is supported)."""
 
 
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from either transformers 5 (``rope_parameters``) or older configs
-    (``rope_theta`` + ``rope_scaling``), normalised to a dict with rope_type and rope_theta."""
+def rope_parameters(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """RoPE settings of one layer type from either transformers 5 (``rope_parameters``, per
+    layer type for Gemma 3) or older configs (``rope_theta`` + ``rope_scaling``; Gemma 3's
+    sliding layers: ``rope_local_base_freq``, never scaled), normalised to a dict with rope_type
+    and rope_theta."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        params = dict(params.get(layer_type) or {})
+    elif layer_type == "sliding_attention" and cfg.get("model_type") == GEMMA:
+        return {"rope_type": "default", "rope_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return {**params, "rope_type": rope_type, "rope_theta": float(theta)}
@@ -47,8 +58,8 @@ def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def check_supported(spec: ModelSpec) -> None:
     """Raise UnsupportedModelError (one line) unless this runtime can run ``spec``."""
-    supported = ("supported: llama, mistral, qwen2, qwen3 (Llama 2/3.x, SmolLM2, TinyLlama, "
-                 "Mistral, Qwen2/2.5, Qwen3 dense)")
+    supported = ("supported: llama, mistral, qwen2, qwen3, gemma3_text (Llama 2/3.x, SmolLM2, "
+                 "TinyLlama, Mistral, Qwen2/2.5, Qwen3 dense, Gemma 3 text)")
     kinds = {layer.kind for layer in spec.layers}
     mtype = spec.model_type
     if mtype not in SUPPORTED_TYPES:
@@ -62,20 +73,30 @@ def check_supported(spec: ModelSpec) -> None:
         raise UnsupportedModelError(f"{spec.name}: layer kinds {sorted(kinds)} are not supported; "
                                     f"{supported}")
     cfg = spec.config
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{spec.name}: hidden_act {act!r} is not supported (silu only)")
-    rope = rope_parameters(cfg)["rope_type"]
-    if rope not in SUPPORTED_ROPE:
-        raise UnsupportedModelError(f"{spec.name}: rope_type {rope!r} is not supported; "
-                                    f"supported: {', '.join(SUPPORTED_ROPE)}")
+    act = activation_name(cfg)
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{spec.name}: hidden_act {act!r} is not supported; "
+                                    f"supported: {', '.join(ACTIVATIONS)}")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UnsupportedModelError(f"{spec.name}: {key} is not supported")
+    for layer_type in ("full_attention", "sliding_attention"):
+        rope = rope_parameters(cfg, layer_type)["rope_type"]
+        if rope not in SUPPORTED_ROPE:
+            raise UnsupportedModelError(f"{spec.name}: rope_type {rope!r} is not supported; "
+                                        f"supported: {', '.join(SUPPORTED_ROPE)}")
 
 
-def inv_frequencies(cfg: dict[str, Any], head_dim: int) -> Tensor:
-    """RoPE inverse frequencies (float32, on the CPU), as Hugging Face computes them for each
-    rope_type. On the CPU even while a model is built on the meta device: meta ops here would
-    import torch._dynamo (1 s per start)."""
-    p = rope_parameters(cfg)
+def activation_name(cfg: dict[str, Any]) -> str:
+    """The MLP's activation: Gemma's configs name it ``hidden_activation``."""
+    return cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+
+
+def inv_frequencies(cfg: dict[str, Any], head_dim: int, layer_type: str = "full_attention") -> Tensor:
+    """RoPE inverse frequencies (float32, on the CPU) of one layer type, as Hugging Face computes
+    them for each rope_type. On the CPU even while a model is built on the meta device: meta ops
+    here would import torch._dynamo (1 s per start)."""
+    p = rope_parameters(cfg, layer_type)
     positions = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
     inv = 1.0 / (p["rope_theta"] ** (positions.float() / head_dim))
     if p["rope_type"] == "linear":
@@ -262,24 +283,29 @@ class LMHead(Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as in HF (bit-for-bit)."""
+    """RMSNorm computed in float32 and cast back before the weight, as in HF (bit-for-bit).
+    ``offset`` (Gemma): the scale is (1 + weight), applied in float32 before the cast, as in
+    HF's Gemma3RMSNorm; the native kernel computes only the plain form."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
-        if kernels.rowwise_usable(x, self.weight):
+        if not self.offset and kernels.rowwise_usable(x, self.weight):
             return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
     def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(this norm of h, h) with h = x + residual: one pass where the native kernel runs."""
-        if x.dim() == 2 and kernels.rowwise_usable(x, residual, self.weight):
+        if not self.offset and x.dim() == 2 and kernels.rowwise_usable(x, residual, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         h = x + residual
         return self(h), h
@@ -316,11 +342,15 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.qk_norm = mtype == "qwen3"
+        self.qk_norm = mtype in ("qwen3", GEMMA)
         if self.qk_norm:
             eps = cfg.get("rms_norm_eps", 1e-6)
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.q_norm = RMSNorm(self.head_dim, eps, offset=mtype == GEMMA)
+            self.k_norm = RMSNorm(self.head_dim, eps, offset=mtype == GEMMA)
+        # Gemma scales scores by query_pre_attn_scalar**-0.5, the backends by head_dim**-0.5:
+        # the queries carry the difference (1.0, i.e. nothing, where the two agree)
+        scalar = cfg.get("query_pre_attn_scalar", self.head_dim) if mtype == GEMMA else self.head_dim
+        self.q_scale = math.sqrt(self.head_dim / scalar)
 
     _qkv: PackedWeights | None = None  # q/k/v stacked: one matmul (see CausalLM.prepack)
 
@@ -353,16 +383,21 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope_in_place(q, cos, sin), rope_in_place(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         out = attn.attend(self.layer_idx, q, k, v).reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(out if rows is None else out[rows])
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
+    """down(act(gate(x)) * up(x)): SwiGLU (silu), or Gemma's GeGLU (``gelu_pytorch_tanh``)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, inter, bias=bias)
         self.up_proj = Linear(hidden, inter, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
+        self.act = act
 
     _gate_up: PackedWeights | None = None  # gate/up stacked: one matmul (see CausalLM.prepack)
 
@@ -376,11 +411,12 @@ class MLP(nn.Module):
         self.down_proj.unpack()
 
     def forward(self, x: Tensor) -> Tensor:
+        act = ACTIVATIONS[self.act]
         if _use(self._gate_up, x):
             gate, up = self._gate_up(x).split(self._gate_up.sizes, -1)  # type: ignore[misc, union-attr]
-            return self.down_proj(F.silu(gate).mul_(up))
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(act(gate).mul_(up))
+        if torch.is_grad_enabled() or act is not F.silu:
+            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
         # in place on the fresh projection outputs: the same values, no extra [T, inter] buffers
         gate, up = self.gate_proj(x), self.up_proj(x)
         if kernels.rowwise_usable(gate, up) and gate.is_contiguous() and up.is_contiguous():
@@ -406,10 +442,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         cfg, hidden = spec.config, spec.hidden_size
         eps = cfg.get("rms_norm_eps", 1e-6)
+        gemma = spec.model_type == GEMMA
         self.self_attn = Attention(layer_idx, spec.layers[layer_idx], cfg, hidden, spec.model_type)
-        self.mlp = MLP(hidden, cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)),
+                       activation_name(cfg))
+        self.input_layernorm = RMSNorm(hidden, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, gemma)
+        # Gemma's "sandwich": post_attention_layernorm normalises the attention output before
+        # the residual add, and the MLP has its own norms before and after
+        self.sandwich = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, True)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, True)
 
     _native: tuple[int, tuple[Linear, ...], kernels.LayerWeights | None] | None = None
 
@@ -421,6 +465,8 @@ class DecoderLayer(nn.Module):
         a weight moved: collecting 16 parameters through ``nn.Module`` costs more per step than
         the checks."""
         attn, mlp = self.self_attn, self.mlp
+        if self.sandwich:  # the native layer is Llama-form only
+            return None
         if self._native is None or self._native[0] != _structure[0]:
             linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                        mlp.down_proj)
@@ -458,6 +504,9 @@ class DecoderLayer(nn.Module):
                 return kernels.decoder_layer(x, weights, sa.num_heads, sa.kv_heads,
                                              self.input_layernorm.eps, cos, sin, layout)
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn, rows)
+        if self.sandwich:
+            x = (x if rows is None else x[rows]) + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         h, x = self.post_attention_layernorm.add(a, x if rows is None else x[rows])
         return x + self.mlp(h)
 
@@ -472,7 +521,16 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
                                          _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(i, spec) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.config.get("rms_norm_eps", 1e-6))
+        gemma = spec.model_type == GEMMA
+        self.norm = RMSNorm(spec.hidden_size, spec.config.get("rms_norm_eps", 1e-6), gemma)
+        # Gemma multiplies the embeddings by sqrt(hidden), rounded to the weights' dtype (as HF)
+        self.embed_scale = math.sqrt(spec.hidden_size) if gemma else None
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        return x * torch.tensor(self.embed_scale).to(x.dtype)
 
 
 class CausalLM(nn.Module):
@@ -498,7 +556,13 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", inv_frequencies(spec.config, heads.pop()), persistent=False)
+        self.head_dim = heads.pop()
+        # Gemma 3's sliding layers rotate with their own base (inv_freq_local); all others share one
+        self.local_rope = frozenset(i for i, layer in enumerate(spec.layers) if layer.kind == "sliding"
+                                    ) if spec.model_type == GEMMA else frozenset()
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.register_buffer("inv_freq_local", None, persistent=False)
+        self.set_rope()
         self.eos_token_ids: tuple[int, ...] = ()  # filled by the loader (generation_config.json)
         self.invariant_rows: int | None = None  # deterministic mode's row block (set_batch_invariant)
         self.name = spec.name
@@ -570,20 +634,31 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin [T, head_dim] for these positions: computed in float32, then cast (as HF)."""
-        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+    def set_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE inverse frequencies in float32, on ``device`` (None: the current
+        default device; a model built on the meta device gets real ones here)."""
+        self.inv_freq = inv_frequencies(self.config, self.head_dim).to(device)
+        if self.local_rope:
+            self.inv_freq_local = inv_frequencies(self.config, self.head_dim, "sliding_attention").to(device)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype, local: bool = False) -> tuple[Tensor, Tensor]:
+        """cos/sin [T, head_dim] for these positions: computed in float32, then cast (as HF).
+        ``local``: with the sliding layers' own base (Gemma 3)."""
+        inv = self.inv_freq_local if local else self.inv_freq
+        freqs = positions[:, None].float() * inv.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
                 logits_indices: Tensor | None = None) -> Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        x = self.model.embed(input_ids)
+        ropes = [self.rope(positions, x.dtype)]
+        if self.local_rope:
+            ropes.append(self.rope(positions, x.dtype, local=True))
         *body, last = self.model.layers
-        for layer in body:
-            x = layer(x, cos, sin, attn)
+        for i, layer in enumerate(body):
+            x = layer(x, *ropes[i in self.local_rope], attn)
         # The last layer's o_proj and MLP run only where logits are wanted: the other rows
         # only had to leave their K/V in the cache.
-        x = last(x, cos, sin, attn, logits_indices)
+        x = last(x, *ropes[len(body) in self.local_rope], attn, logits_indices)
         return self.lm_head(self.model.norm(x))

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from kvlab import dispatch
 from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
-from kvlab.models.llama import CausalLM, check_supported, inv_frequencies
+from kvlab.models.llama import CausalLM, check_supported
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
 
@@ -209,12 +209,14 @@ def _assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
 
 @torch.no_grad()
 def init_random_(model: CausalLM, seed: int = 0, std: float | None = None) -> None:
-    """Hugging Face's init: Linear/Embedding ~ N(0, initializer_range), biases 0, norms 1."""
+    """Hugging Face's init: Linear/Embedding ~ N(0, initializer_range), biases 0, norms the
+    identity (1, or 0 for Gemma's (1 + w) norms)."""
     std = std if std is not None else float(model.config.get("initializer_range") or 0.02)
     gen = torch.Generator(device=model.device).manual_seed(seed)
+    offsets = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "offset", False)}
     for name, p in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            p.fill_(0.0 if name in offsets else 1.0)
         elif name.endswith(".bias"):
             p.zero_()
         else:
@@ -234,7 +236,7 @@ def build_model(spec: ModelSpec, dtype: str | torch.dtype = DEFAULT_DTYPE, devic
         model.tie_weights()
         init_random_(model, seed)
     # Otherwise weights arrive through load_state_dict(assign=True). RoPE stays float32.
-    model.inv_freq = inv_frequencies(spec.config, spec.layers[0].head_dim).to(device)
+    model.set_rope(device)
     return model.eval()
 
 

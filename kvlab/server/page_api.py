@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvlab.catalog import BUNDLED, entries
+from kvlab.catalog import BUNDLED, entries, model_files
 from kvlab.dtypes import KV_DTYPES, WEIGHT_DTYPES
 from kvlab.hardware import get_device, gpu_names
 from kvlab.server.auth import require_api_key
@@ -79,6 +79,8 @@ def options(request: Request) -> dict:
     gpus = [{"key": k, "name": get_device(k).name if k != "cpu" else "this machine (CPU)"} for k in gpu_names()]
     return {
         "models": [{"id": name, "alias": f"{name} (bundled)"} for name in BUNDLED]
+        + [{"id": m.name, "alias": f"{m.name} (installed)", "path": str(path)} for m, path in model_files()
+           if m.name not in BUNDLED]
         + [{"id": e.hf_id, "alias": e.alias} for e in entries().values()],
         "default_model": DEFAULT_MODEL, "gpus": gpus, "kv_dtypes": list(KV_DTYPES),
         "weights_dtypes": list(WEIGHT_DTYPES),

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from kvlab.catalog import BUNDLED, find, load_spec
+from kvlab.catalog import BUNDLED, OPTIONAL, find, load_spec
 from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
 from kvlab.eviction import POLICIES, EvictionPolicy
 from kvlab.generate import Generation
@@ -41,7 +41,7 @@ def resolve_spec(model: str | None, config: dict | None) -> ModelSpec:
         return spec_from_config(config, str(config.get("_name_or_path") or "pasted config.json"))
     if not model:
         raise APIError("give a catalogue model or paste a config.json", param="model")
-    if model.strip().lower() not in BUNDLED and find(model) is None:
+    if model.strip().lower() not in BUNDLED.keys() | OPTIONAL.keys() and find(model) is None:
         raise APIError(f"unknown catalogue model {model!r}", 404, "not_found_error", "model",
                        "model_not_found")
     return load_spec(model.strip())
