@@ -297,16 +297,38 @@ class GGUFFile:
         target = _GLOBAL_TENSORS.get(stem)
         return f"{target}.{kind}" if target else None
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(runtime name, float32 array in Hugging Face's [out, in] layout), one at a time."""
+    def _rows_permuted(self, gguf_name: str, data: np.ndarray) -> np.ndarray:
+        """A tensor's rows in Hugging Face's order (llama.cpp permutes Llama's Q/K rows; rows are
+        independent, so stored blocks [rows, bytes] go back the same way as values)."""
+        if self.architecture != "llama":  # qwen2/qwen3/gemma3 GGUFs keep HF's row order
+            return data
         cfg = self.config()
-        permute = self.architecture == "llama"  # qwen2/qwen3/gemma3 GGUFs keep HF's row order
+        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            return unpermute_rope_rows(data, cfg["num_attention_heads"])
+        if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            return unpermute_rope_rows(data, cfg["num_key_value_heads"])
+        return data
+
+    def blocks(self, types: set[str]) -> Iterator[tuple[str, str, np.ndarray]]:
+        """(runtime name, GGUF type, the stored blocks [rows, bytes per row] as uint8 in Hugging
+        Face's row order, a copy in memory) of each weight matrix stored in one of ``types``."""
+        for t in self.reader.tensors:
+            name = self.runtime_name(t.name)
+            if name is not None and len(t.shape) == 2 and t.tensor_type.name in types:
+                data = np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)
+                yield name, t.tensor_type.name, np.array(self._rows_permuted(t.name, data), copy=True, order="C")
+
+    def tensors(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, np.ndarray]]:
+        """(runtime name, float32 array in Hugging Face's [out, in] layout), one at a time, but
+        for the runtime names in ``skip`` (held as stored blocks instead, see ``blocks``)."""
         norm_shift = self.architecture == "gemma3"  # stored as 1 + w (llama.cpp's converter)
         for t in self.reader.tensors:
             name = self.runtime_name(t.name)
             if name is None:
                 raise ConfigError(f"{self.path.name}: unexpected tensor {t.name} for a "
                                   f"{self.architecture} model")
+            if name in skip:
+                continue
             try:
                 data = self._gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
@@ -314,11 +336,8 @@ class GGUFFile:
             data = np.asarray(data, dtype=np.float32)
             if not data.flags.writeable:  # an F32 tensor is a read-only view of the mapped file
                 data = data.copy()
-            if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                data = unpermute_rope_rows(data, cfg["num_attention_heads"])
-            elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                data = unpermute_rope_rows(data, cfg["num_key_value_heads"])
-            elif norm_shift and t.name.endswith("norm.weight"):
+            data = self._rows_permuted(t.name, data)
+            if norm_shift and t.name.endswith("norm.weight"):
                 data -= 1.0
             yield name, data
 

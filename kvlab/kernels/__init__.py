@@ -5,6 +5,9 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
   sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs, and for any rows in bf16,
   which PyTorch multiplies at ~1 GFLOP/s on CPUs without oneDNN's bf16 kernels. Its results do
   not depend on the batch, so deterministic mode needs no padded rows with it.
+- ``linear_q``, ``dequantize`` (``linear.c``, ``blocks.h``): the same for weights kept in GGUF's
+  Q8_0, Q4_0, Q4_1 and Q5_0 blocks, dequantised in registers to the file's exact values, so
+  bitwise ``linear`` on the dequantised weight, reading 4-6x fewer bytes.
 - ``paged_attention`` (``attention.c``): query rows against their keys and values read in place
   in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA. A row's result does not
   depend on the other rows either.
@@ -44,10 +47,10 @@ from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h")]
 # -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
 # ops round each step as PyTorch's eager ops do)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
 MAX_ROWS = 64
@@ -95,6 +98,9 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     for fn in (lib.kvlab_linear_f32, lib.kvlab_linear_bf16, lib.kvlab_linear_bf16_f32):
         fn.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
         fn.restype = None
+    lib.kvlab_linear_q.argtypes = [p, p, p, p, n, n, n, ctypes.c_int, ctypes.c_int]
+    lib.kvlab_dequantize.argtypes = [p, p, n, n, ctypes.c_int, ctypes.c_int]
+    lib.kvlab_linear_q.restype = lib.kvlab_dequantize.restype = None
     lib.kvlab_paged_attention.argtypes = [p, p, p, ctypes.c_int, n, p, n, p, p, p, p, n, n, n, n, n,
                                           ctypes.c_float, ctypes.c_int]
     lib.kvlab_paged_attention.restype = ctypes.c_int
@@ -104,7 +110,7 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
                      (lib.kvlab_store_kv, [p, p, n, n, p, p, p, n, n, n, n, n, i, i]),
                      (lib.kvlab_silu_mul, [p, p, n, i, i])):
         fn.argtypes, fn.restype = args, None
-    lib.kvlab_decoder_layer.argtypes = [p, n, n, n, n, n, n, f, p, p, p, p, p, p, n, i, p, p, n, p, p, p,
+    lib.kvlab_decoder_layer.argtypes = [p, p, n, n, n, n, n, n, f, p, p, p, p, p, p, n, i, p, p, n, p, p, p,
                                         i, i]
     lib.kvlab_decoder_layer.restype = ctypes.c_int
     return lib, Status(True, str(path))
@@ -176,6 +182,32 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = Fals
         fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
            m, n, k, torch.get_num_threads())
     return y
+
+
+def linear_q(x: Tensor, blocks: Tensor, fmt: int, bias: Tensor | None) -> Tensor:
+    """x @ W^T (+ bias) for fp32 x [M, K] (contiguous) and W stored as ``blocks`` [N, K / 32 x
+    block bytes] (uint8, contiguous) in block format ``fmt`` (``kvlab.models.weights``): bitwise
+    ``linear(x, W, bias)`` on the dequantised W."""
+    lib = _load()[0]
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and blocks.is_contiguous()
+    m, k = x.shape
+    n = blocks.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    with _profiled("kvlab::linear_q"):
+        lib.kvlab_linear_q(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), m, n, k, fmt, torch.get_num_threads())
+    return y
+
+
+def dequantize(blocks: Tensor, fmt: int, k: int) -> Tensor:
+    """The fp32 rows [N, k] of ``blocks`` [N, k / 32 x block bytes] in block format ``fmt``,
+    exactly as gguf.quants dequantises them."""
+    lib = _load()[0]
+    assert lib is not None and blocks.is_contiguous() and blocks.dtype == torch.uint8
+    out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
+    with _profiled("kvlab::dequantize"):
+        lib.kvlab_dequantize(blocks.data_ptr(), out.data_ptr(), blocks.shape[0], k, fmt, torch.get_num_threads())
+    return out
 
 
 def attention_usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -314,19 +346,26 @@ class RowsLayout:
 class LayerWeights:
     """A decoder layer's weights for ``decoder_layer``: the input norm's, q, q bias, k, k bias, v,
     v bias, o, o bias, the post-attention norm's, gate, gate bias, up, up bias, down, down bias
-    (None: no bias), with their addresses packed once for the call."""
+    (None: no bias), with their addresses packed once for the call; ``formats``: the seven
+    matrices' (q, k, v, o, gate, up, down), 0 for dense, else the block format of a uint8 weight
+    (fp32 activations only)."""
 
-    def __init__(self, weights: list[Tensor | None]) -> None:
-        assert len(weights) == 16 and weights[10] is not None
+    def __init__(self, weights: list[Tensor | None], formats: list[int]) -> None:
+        assert len(weights) == 16 and weights[10] is not None and len(formats) == 7
         self.weights = weights
+        self.formats = formats
         self.addresses = [None if w is None else w.data_ptr() for w in weights]
         self.pointers = (ctypes.c_void_p * 16)(*self.addresses)
+        self.format_array = (ctypes.c_int * 7)(*formats)
         self.inter = weights[10].shape[0]
 
     def fit(self, dtype: torch.dtype) -> bool:
-        """All of this dtype, contiguous, and still where they were packed (``.to()`` moves them)."""
-        return all(w is None or (w.dtype == dtype and w.is_contiguous() and w.data_ptr() == a)
-                   for w, a in zip(self.weights, self.addresses))
+        """Every tensor (but the block-format weights) of this dtype, the blocks with fp32 rows
+        only; all contiguous and still where they were packed (``.to()`` moves them)."""
+        if any(self.formats) and dtype != torch.float32:
+            return False
+        return all(w is None or ((w.dtype == dtype or w.dtype == torch.uint8) and w.is_contiguous()
+                                 and w.data_ptr() == a) for w, a in zip(self.weights, self.addresses))
 
 
 def decoder_layer(x: Tensor, weights: LayerWeights, heads: int, kv_heads: int, eps: float,
@@ -341,7 +380,7 @@ def decoder_layer(x: Tensor, weights: LayerWeights, heads: int, kv_heads: int, e
     out = torch.empty_like(x)
     with _profiled("kvlab::decoder_layer"):
         failed = lib.kvlab_decoder_layer(
-            weights.pointers, m, hidden, heads, kv_heads, kc.shape[-1], weights.inter, eps,
+            weights.pointers, weights.format_array, m, hidden, heads, kv_heads, kc.shape[-1], weights.inter, eps,
             x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
             kc.shape[1] * kc.shape[2], int(kc.dtype == torch.bfloat16), layout.write_slots.data_ptr(),
             layout.slots.data_ptr(), layout.slots.shape[1], layout.seqs.data_ptr(), layout.starts.data_ptr(),

@@ -9,7 +9,8 @@
  * store_kv, paged_attention, silu_mul, the residual adds), so its results are bitwise those of
  * that path: a step may take either path without a row's values changing (deterministic mode).
  *
- * w: 16 pointers, see enum below (a NULL bias: none). The attention layout is that of
+ * w: 16 pointers, see enum below (a NULL bias: none); fmt: the seven weight matrices' formats
+ * (q, k, v, o, gate, up, down: 0 dense, else a GGUF block format, blocks.h; fp32 rows only). The attention layout is that of
  * kvlab_paged_attention; write_slots [M]: where each row's new K/V go. Returns 0, or 1 when
  * memory for the scratch buffers or the scores ran out (nothing written but the cache).
  */
@@ -35,13 +36,13 @@ int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf
 
 enum { NORM1, WQ, BQ, WK, BK, WV, BV, WO, BO, NORM2, WG, BG, WU, BU, WD, BD };
 
-static void lin(const void *x, const void *w, const void *b, void *y, long M, long N, long K,
+static void lin(const void *x, const void *w, const void *b, int fmt, void *y, long M, long N, long K,
                 int threads, int bf16) {
-    const kvlab_part part = {w, b, y, N};
+    const kvlab_part part = {w, b, y, N, fmt};
     kvlab_linear_parts(x, &part, 1, M, K, threads, bf16);
 }
 
-int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long KV, long D, long I,
+int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidden, long H, long KV, long D, long I,
                         float eps, const void *x, void *out, const void *cos, const void *sin,
                         void *kc, void *vc, long S, int cache_bf16, const int64_t *write_slots,
                         const int64_t *slots, long L, const int64_t *seqs, const int64_t *starts,
@@ -61,8 +62,8 @@ int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long 
     for (int i = 0, at = 0; i < NBUF; at += (sizes[i] + 63) / 64 * 64, i++) buf[i] = arena + at;
 
     kvlab_rms_norm(x, NULL, NULL, w[NORM1], buf[H_], M, hidden, eps, bf16, threads);
-    const kvlab_part qkv[] = {{w[WQ], w[BQ], buf[Q_], QD}, {w[WK], w[BK], buf[K_], KD},
-                              {w[WV], w[BV], buf[V_], KD}};
+    const kvlab_part qkv[] = {{w[WQ], w[BQ], buf[Q_], QD, fmt[0]}, {w[WK], w[BK], buf[K_], KD, fmt[1]},
+                              {w[WV], w[BV], buf[V_], KD, fmt[2]}};
     kvlab_linear_parts(buf[H_], qkv, 3, M, hidden, threads, bf16);
     kvlab_rope(buf[Q_], M, H, D, QD, cos, sin, bf16, threads);
     kvlab_rope(buf[K_], M, KV, D, KD, cos, sin, bf16, threads);
@@ -83,12 +84,12 @@ int kvlab_decoder_layer(const void *const *w, long M, long hidden, long H, long 
     }
     if (bf16)
         for (long i = 0; i < M * QD; i++) store1(o, i, o32[i], 1);
-    lin(o, w[WO], w[BO], buf[A_], M, hidden, QD, threads, bf16);
+    lin(o, w[WO], w[BO], fmt[3], buf[A_], M, hidden, QD, threads, bf16);
     kvlab_rms_norm(buf[A_], x, buf[X2_], w[NORM2], buf[H_], M, hidden, eps, bf16, threads);
-    const kvlab_part gate_up[] = {{w[WG], w[BG], buf[G_], I}, {w[WU], w[BU], buf[U_], I}};
+    const kvlab_part gate_up[] = {{w[WG], w[BG], buf[G_], I, fmt[4]}, {w[WU], w[BU], buf[U_], I, fmt[5]}};
     kvlab_linear_parts(buf[H_], gate_up, 2, M, hidden, threads, bf16);
     kvlab_silu_mul(buf[G_], buf[U_], M * I, bf16, threads);
-    lin(buf[G_], w[WD], w[BD], buf[A_], M, hidden, I, threads, bf16);
+    lin(buf[G_], w[WD], w[BD], fmt[6], buf[A_], M, hidden, I, threads, bf16);
     for (long i = 0; i < M * hidden; i++)
         store1(out, i, load1(buf[X2_], i, bf16) + load1(buf[A_], i, bf16), bf16);
     free(arena);

@@ -6,11 +6,13 @@
 #include <stdint.h>
 #include <string.h>
 
-/* One weight of a linear layer sharing its input with others: y [M, N] = x w^T (+ b). */
+/* One weight of a linear layer sharing its input with others: y [M, N] = x w^T (+ b). fmt: 0 for
+ * a dense weight in the activations' dtype, else a GGUF block format (blocks.h) read in place. */
 typedef struct {
     const void *w, *b;
     void *y;
     long N;
+    int fmt;
 } kvlab_part;
 #define KVLAB_MAX_PARTS 3
 

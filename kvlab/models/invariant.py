@@ -81,7 +81,7 @@ def check_linears(linears: list[nn.Module], dtype: torch.dtype, device: torch.de
             f"or run on the CPU")
     seen: dict[tuple[type, tuple[int, ...]], int] = {}
     for m in linears:
-        shape = tuple(m.weight.shape)
+        shape = (m.out_features, m.in_features)
         if (type(m), shape) in seen:  # same class, same shape: the same GEMM (the LM head's is fp32)
             continue
         block = stable_row_block(m, shape[1], dtype, device)

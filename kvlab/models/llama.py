@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from kvlab import dispatch, kernels
 from kvlab.models.attention import AttentionBackend, NativeAttention
 from kvlab.models.invariant import check_linears, pad_rows
+from kvlab.models.weights import QuantEmbedding, QuantLinear
 from kvlab.spec import LayerSpec, ModelSpec
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -118,7 +119,7 @@ def _can_prepack(weight: Tensor) -> bool:
     """oneDNN prepacking pays for bf16 weights on a CPU with oneDNN's bf16 kernels (AVX-512 or
     AVX-NE-CONVERT; on an AVX2-only CPU oneDNN refuses to pack; ``KVLAB_ONEDNN_BF16=off`` takes
     that branch anywhere)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
     return dispatch.onednn_bf16().on
 
@@ -471,13 +472,15 @@ class DecoderLayer(nn.Module):
             linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                        mlp.down_proj)
             weights = None
-            if not attn.qk_norm and all(type(m) is Linear for m in linears):
+            if not attn.qk_norm and all(type(m) in (Linear, QuantLinear) for m in linears):
                 weights = [self.input_layernorm.weight]
                 for m in linears:
-                    weights += [m.weight, m.bias]
+                    weights += [m.weight if m.weight is not None else m.blocks, m.bias]
                     if m is attn.o_proj:
                         weights.append(self.post_attention_layernorm.weight)
-            self._native = (_structure[0], linears, None if weights is None else kernels.LayerWeights(weights))
+                formats = [m.format.code if isinstance(m, QuantLinear) else 0 for m in linears]
+            self._native = (_structure[0], linears,
+                            None if weights is None else kernels.LayerWeights(weights, formats))
         _, linears, packed = self._native
         if packed is None or attn._qkv is not None or mlp._gate_up is not None or torch.is_grad_enabled():
             return None
@@ -489,8 +492,9 @@ class DecoderLayer(nn.Module):
         if not packed.fit(x.dtype):
             self._native = None  # moved or cast: gather again next time
             return None
-        weight, bias = packed.weights[1], packed.weights[2]
-        native = kernels.usable(x, weight, bias) and kernels.rowwise_usable(x)  # type: ignore[arg-type]
+        first = linears[0]
+        native = (first.native(x) if isinstance(first, QuantLinear)
+                  else kernels.usable(x, first.weight, first.bias)) and kernels.rowwise_usable(x)
         return packed if native else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
@@ -569,11 +573,11 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def prepack(self, max_bytes: int | None = None) -> int:
         """Give every linear layer a packed copy of its weight for faster inference (bf16 on
@@ -613,7 +617,7 @@ class CausalLM(nn.Module):
         block. Linear layers then run every row count on the native kernel, which needs no
         padding (probed again to prove it), or, where it cannot run, pad their rows to the
         block. Off: the default kernels again."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        linears = [m for m in self.modules() if isinstance(m, (Linear, QuantLinear))]
         for m in linears:  # probe the plain kernels (a second call must not probe padded ones)
             m.row_block, m.native_rows = 1, 0
         self.invariant_rows = None
@@ -631,8 +635,13 @@ class CausalLM(nn.Module):
             m.row_block = native_rows
 
     def tie_weights(self) -> None:
-        if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not self.spec.tie_word_embeddings:
+            return
+        embed = self.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            self.lm_head = embed.as_linear()  # type: ignore[assignment]
+        else:
+            self.lm_head.weight = embed.weight
 
     def set_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the RoPE inverse frequencies in float32, on ``device`` (None: the current

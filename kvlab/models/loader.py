@@ -23,18 +23,19 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from kvlab import dispatch
+from kvlab import dispatch, kernels
 from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM, check_supported
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
+from kvlab.models.weights import FORMATS, QuantEmbedding, QuantLinear
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
 
 if TYPE_CHECKING:
     from kvlab.gguf import GGUFFile
 
-__all__ = ["ByteTokenizer", "DtypeChoice", "HFTokenizer", "Loaded", "TextTokenizer", "build_model",
-           "choose_dtype", "load", "load_model", "torch_dtype"]
+__all__ = ["ByteTokenizer", "DtypeChoice", "HFTokenizer", "Loaded", "TextTokenizer", "WeightsChoice",
+           "build_model", "choose_dtype", "choose_weights", "load", "load_model", "torch_dtype"]
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -42,6 +43,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
 DEFAULT_DTYPE = "auto"  # the checkpoint's values exactly, fast on this device (see choose_dtype)
+WEIGHTS = ("auto", "as-stored", "dense")  # see choose_weights
 
 # Keys some checkpoints carry that the model recomputes (old RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -125,6 +127,75 @@ def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp
     return DtypeChoice(dtype, "as asked")
 
 
+@dataclass(frozen=True)
+class WeightsChoice:
+    """Which of the checkpoint's GGUF types the weight matrices keep as stored (none: all dense
+    in the model's dtype), and why."""
+
+    formats: frozenset[str]
+    why: str
+
+    def __str__(self) -> str:
+        held = ", ".join(sorted(self.formats))
+        return f"{held + ' as stored' if held else 'dense'} ({self.why})"
+
+
+def choose_weights(name: str, gguf: GGUFFile | None, dtype: torch.dtype, device: str) -> WeightsChoice:
+    """How to hold the weight matrices. ``auto``: a GGUF file's Q8_0, Q4_0, Q4_1 and Q5_0 matrices
+    as stored where the native kernels run (fp32 on the CPU), the same values as dense fp32 at a
+    quarter to a sixth of the bytes; everything else dense in ``dtype``. ``as-stored``: that,
+    also where the kernels do not run (dequantised per call, slow). ``dense``: every matrix in
+    ``dtype`` (today's fp32 for a GGUF file)."""
+    if name not in WEIGHTS:
+        raise ValueError(f"unknown --weights {name!r}; choose {', '.join(WEIGHTS)}")
+    types = ({t.tensor_type.name for t in gguf.reader.tensors if len(t.shape) == 2}
+             if gguf is not None else set())
+    runnable = frozenset(types & set(FORMATS))
+    others = sorted(types - runnable - {"F32", "F16", "BF16"})
+    if name == "dense" or not runnable:
+        why = "as asked" if name == "dense" else (
+            "auto: no GGUF blocks" if not types else f"auto: kvlab runs {', '.join(FORMATS)} as stored, "
+                                                     f"not {', '.join(others) or 'float tensors'}")
+        return WeightsChoice(frozenset(), why)
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        if name == "as-stored":
+            raise ValueError("--weights as-stored runs with fp32 activations on the CPU; drop --dtype "
+                             "or --device, or pass --weights dense")
+        return WeightsChoice(frozenset(), "auto: stored blocks run with fp32 activations on the CPU only")
+    status = kernels.status()
+    if name == "auto" and not status.available:
+        return WeightsChoice(frozenset(), f"auto: the native kernels do not run here ({status.detail})")
+    why = "auto" if name == "auto" else "as asked"
+    if not status.available:
+        why += f"; slow: dequantised per call, the native kernels do not run here ({status.detail})"
+    if others:
+        why += f"; {', '.join(others)} dequantised to fp32 (no kernel)"
+    return WeightsChoice(runnable, why)
+
+
+def hold_blocks(model: CausalLM, gguf: GGUFFile, formats: frozenset[str]) -> frozenset[str]:
+    """Put the GGUF file's matrices stored in ``formats`` into the (meta) model as they are
+    stored: each linear layer becomes a ``QuantLinear`` (its bias still to load), the embedding a
+    ``QuantEmbedding``. Returns the tensor names placed."""
+    placed = set()
+    for name, kind, blocks in gguf.blocks(set(formats)):
+        path = name.removesuffix(".weight")
+        parent_name, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        data = torch.from_numpy(blocks)
+        if isinstance(old, torch.nn.Embedding):
+            new: torch.nn.Module = QuantEmbedding(FORMATS[kind], data, old.embedding_dim)
+        else:
+            bias = None if old.bias is None else torch.empty_like(old.bias, device="meta")
+            new = QuantLinear(FORMATS[kind], data, old.in_features, bias)
+        if new.blocks.shape[0] != (old.num_embeddings if isinstance(old, torch.nn.Embedding) else old.out_features):
+            raise ConfigError(f"{gguf.path.name}: {name} has {blocks.shape[0]} rows, the config implies another shape")
+        setattr(parent, child, new)
+        placed.add(name)
+    return frozenset(placed)
+
+
 def torch_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp32") -> torch.dtype:
     """The torch dtype for ``name`` (fp32, bf16, fp16 and their aliases, or auto) on ``device``."""
     return choose_dtype(name, device, stored).dtype
@@ -137,6 +208,7 @@ class Loaded:
     path: Path | None  # checkpoint folder or GGUF file, None for a catalogue config
     chat_template: ChatTemplate
     dtype: DtypeChoice  # the model's dtype and why it was chosen
+    weights: WeightsChoice  # which weight matrices run as stored, and why
 
 
 def _eos_ids(folder: Path | None, cfg: dict) -> tuple[int, ...]:
@@ -180,8 +252,9 @@ def _safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
                     dtype: torch.dtype, device: torch.device) -> None:
     """Give the meta model its weights, each converted to ``dtype`` as it arrives; every tensor
-    must be known, of the config's shape, and none missing."""
-    expected = dict(model.state_dict())
+    must be known, of the config's shape, and none missing (but the stored blocks, placed
+    already by ``hold_blocks``)."""
+    expected = {k: v for k, v in model.state_dict().items() if not k.endswith(".blocks")}
     if model.spec.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     state: dict[str, torch.Tensor] = {}
@@ -247,9 +320,11 @@ def resolve_device(device: str | None) -> str:
 
 
 def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTYPE, *,
-         device: str | None = "cpu", random_weights: bool = False, seed: int = 0) -> Loaded:
+         device: str | None = "cpu", random_weights: bool = False, seed: int = 0,
+         weights: str = "auto") -> Loaded:
     """Load a model: a GGUF file, a checkpoint folder, a bundled name (default ``smollm2-135m``),
-    or (with ``random_weights``) any catalogue name or config.json with seeded random weights.
+    or (with ``random_weights``) any catalogue name or config.json with seeded random weights;
+    ``weights``: how to hold the matrices (``choose_weights``).
     Raises ConfigError / UnsupportedModelError / ValueError with a one-line message."""
     dev = resolve_device(device)
     model = DEFAULT_MODEL if model is None else model
@@ -264,9 +339,11 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
     gguf = gguf_file(path) if path is not None else None
     folder = None if path is None or gguf is not None else (path if path.is_dir() else path.parent)
     choice = choose_dtype(dtype, dev, stored_format(gguf, None if random_weights else folder, cfg))
+    held = choose_weights(weights, None if random_weights else gguf, choice.dtype, dev)
     built = build_model(spec, choice.dtype, dev, random_weights=random_weights, seed=seed)
     if not random_weights:
-        tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors()) if gguf is not None
+        placed = hold_blocks(built, gguf, held.formats) if held.formats else frozenset()
+        tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors(placed)) if gguf is not None
                    else _safetensors(folder))
         _assign_weights(built, tensors, path.name, choice.dtype, torch.device(dev))
     tokenizer: HFTokenizer | ByteTokenizer
@@ -280,7 +357,7 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
         tokenizer = (HFTokenizer(tok_file) if tok_file is not None and tok_file.is_file()
                      else ByteTokenizer(spec.vocab_size))
         chat = ChatTemplate.from_checkpoint(folder)
-    return Loaded(built, tokenizer, path if gguf is not None else folder, chat, choice)
+    return Loaded(built, tokenizer, path if gguf is not None else folder, chat, choice, held)
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = DEFAULT_DTYPE, **kwargs) -> CausalLM:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from kvlab.models.llama import CausalLM, Linear
+from kvlab.models.weights import QuantEmbedding, QuantLinear, held_bytes
 from kvlab.spec import rank_kv_heads
 
 
@@ -73,6 +74,25 @@ def _columns(linear: Linear, start: int, end: int, group: dist.ProcessGroup | No
     return RowParallelLinear(linear.weight.detach()[:, start:end].clone(), bias, group)
 
 
+def _densify(model: CausalLM) -> None:
+    """Stored GGUF blocks become dense fp32 layers of the same values before sharding (the ranks
+    do not shard blocks yet: a tensor-parallel run holds fp32 weights)."""
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, (QuantLinear, QuantEmbedding)):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        if isinstance(m, QuantEmbedding):
+            ids = torch.arange(m.num_embeddings)
+            dense: nn.Module = nn.Embedding(m.num_embeddings, m.embedding_dim, _weight=m(ids))
+        else:
+            dense = Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            dense.weight = nn.Parameter(m.dense(), requires_grad=False)
+            if m.bias is not None:
+                dense.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
+        setattr(model.get_submodule(parent_name), child, dense)
+    model.tie_weights()
+
+
 def first_kv_head(num_heads: int, kv_heads: int, rank: int, tp: int) -> int:
     """The first KV head rank `rank` holds: the one its first query head reads."""
     return rank * (num_heads // tp) // (num_heads // kv_heads)
@@ -83,6 +103,7 @@ def shard_model(model: CausalLM, rank: int, tp: int, group: dist.ProcessGroup | 
     """Keep rank `rank`'s part of `model` (in place; returns it). `tp` must be one of the model's
     valid sizes (``kvlab.plan.parallel.check_tp``: it divides the heads and the FFN width)."""
     model.unpack()  # packed copies of whole weights would outlive the shard
+    _densify(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         h, kvh, d = attn.num_heads, attn.kv_heads, attn.head_dim
@@ -103,5 +124,6 @@ def shard_model(model: CausalLM, rank: int, tp: int, group: dist.ProcessGroup | 
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's (or shard's) parameters, a tied weight counted once."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of a model's (or shard's) weights as held (stored blocks included), a tied weight
+    counted once."""
+    return held_bytes(model)

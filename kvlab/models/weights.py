@@ -1,0 +1,181 @@
+"""How a model's weight matrices are held while it runs: dense in the model's dtype, or as a GGUF
+file stores them, in blocks of 32 weights with an fp16 scale (``BlockFormat``).
+
+Decode reads every weight once per step, so its speed is the bytes held: SmolLM2-135M's Q4_1
+layers are 5 bits a weight in the file and 32 as fp32. A ``QuantLinear`` keeps the file's blocks
+and multiplies by them in place (``kvlab.kernels.linear_q``: dequantised in registers, bitwise
+the fp32 kernel on the dequantised weight); where that kernel cannot run, the reference path
+dequantises the whole weight and calls ``F.linear``, as the dense layer would on those values.
+Either way a row's values are those of the dense fp32 model of the same file: the format changes
+the bytes read, never the tokens (``tests/test_weights.py`` holds it to the bit).
+
+The formats run as stored are those with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0. Other GGUF
+types (Q4_K, Q6_K...) are dequantised to dense fp32 at load (``kvlab.models.loader``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvlab import kernels
+from kvlab.models.invariant import pad_rows
+
+QK = 32  # weights per block
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block format: its name, its number in the native kernel (``blocks.h``) and the
+    bytes of one block of 32 weights."""
+
+    name: str
+    code: int
+    block_bytes: int
+
+    @property
+    def bits(self) -> float:
+        """Bits per weight, scales included (Q4_1: 5.0)."""
+        return self.block_bytes * 8 / QK
+
+    def row_bytes(self, k: int) -> int:
+        return k // QK * self.block_bytes
+
+    def dequantize(self, blocks: Tensor, k: int) -> Tensor:
+        """The fp32 rows [N, k] of ``blocks`` [N, row_bytes(k)]: the native kernel where it runs,
+        else ``reference`` (the same values)."""
+        if kernels.status().available and blocks.device.type == "cpu":
+            return kernels.dequantize(blocks.contiguous(), self.code, k)
+        return self.reference(blocks)
+
+    def reference(self, blocks: Tensor) -> Tensor:
+        """Dequantisation in PyTorch's ops, as gguf.quants computes it (its values exactly: each
+        d * q is exact in fp32, Q4_1's + m rounds once)."""
+        n = blocks.shape[0]
+        b = blocks.reshape(n, -1, self.block_bytes)
+        d = b[..., 0:2].contiguous().view(torch.float16).float()
+        if self.name == "Q8_0":
+            return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
+        start = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[self.name]
+        qs = b[..., start:start + 16]
+        q = torch.cat([qs & 15, qs >> 4], -1).to(torch.int32)  # weight i < 16: low nibble of byte i
+        if self.name == "Q4_1":
+            m = b[..., 2:4].contiguous().view(torch.float16).float()
+            return (d * q.float() + m).reshape(n, -1)
+        if self.name == "Q5_0":
+            qh = b[..., 2:6].contiguous().view(torch.int32)  # bit i: weight i's fifth bit
+            q = q | (((qh >> torch.arange(QK, dtype=torch.int32)) & 1) << 4)
+            return (d * (q - 16).float()).reshape(n, -1)
+        return (d * (q - 8).float()).reshape(n, -1)
+
+
+FORMATS = {f.name: f for f in (BlockFormat("Q8_0", 1, 34), BlockFormat("Q4_0", 2, 18),
+                               BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 4, 22))}
+
+
+def check_format(name: str) -> BlockFormat:
+    """The format called ``name``; ValueError (one line, naming the ones kvlab runs) otherwise."""
+    if name not in FORMATS:
+        raise ValueError(f"GGUF type {name} cannot run as stored; kvlab runs {', '.join(FORMATS)} as "
+                         f"stored and dequantises the others to the model's dtype")
+    return FORMATS[name]
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays in a block format: ``blocks`` [out, in / 32 x block
+    bytes] (uint8). fp32 rows up to ``native_rows`` (as ``Linear``: by default the native
+    kernel's row limit; deterministic mode: all) go through ``kernels.linear_q``; more rows, or
+    where the kernel cannot run, dequantise and ``F.linear`` (rows padded to ``row_block``):
+    the same choices, on the same values, as a dense fp32 ``Linear`` makes."""
+
+    weight = None  # no dense weight: nothing packs or gathers it
+    _packed = None
+    row_block: int = 1
+    native_rows: int | None = None
+
+    def __init__(self, fmt: BlockFormat, blocks: Tensor, in_features: int, bias: Tensor | None = None) -> None:
+        super().__init__()
+        if in_features % QK or blocks.shape[-1] != fmt.row_bytes(in_features):
+            raise ValueError(f"{fmt.name} weight of {in_features} inputs: rows must be whole blocks of {QK}")
+        self.format, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.format.name}, in_features={self.in_features}, out_features={self.out_features}"
+
+    def prepack(self) -> int:
+        return 0  # oneDNN packs dense bf16 weights only
+
+    def unpack(self) -> None:
+        pass
+
+    def native(self, x: Tensor) -> bool:
+        """Can ``kernels.linear_q`` take x: fp32 [M, in] on CPU, M within ``native_rows``."""
+        rows = kernels.max_rows(torch.float32) if self.native_rows is None else self.native_rows
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= rows and x.device.type == "cpu"
+                and (self.bias is None or self.bias.dtype == torch.float32) and kernels.status().available)
+
+    def dense(self) -> Tensor:
+        """The dequantised weight [out, in], fp32."""
+        return self.format.dequantize(self.blocks, self.in_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.native(x):
+            return kernels.linear_q(x.contiguous(), self.blocks, self.format.code, self.bias)
+        m = x.shape[0]
+        rows = -(-m // self.row_block) * self.row_block
+        weight = self.dense().to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if rows == m:
+            return F.linear(x, weight, bias)
+        return F.linear(pad_rows(x, rows), weight, bias)[:m]
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in a block format: a lookup dequantises the rows it reads (fp32)."""
+
+    def __init__(self, fmt: BlockFormat, blocks: Tensor, dim: int) -> None:
+        super().__init__()
+        self.format, self.embedding_dim, self.num_embeddings = fmt, dim, blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+
+    def extra_repr(self) -> str:
+        return f"{self.format.name}, {self.num_embeddings}, {self.embedding_dim}"
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.blocks[ids.reshape(-1)]
+        return self.format.dequantize(rows, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+
+    def as_linear(self) -> QuantLinear:
+        """A tied LM head reading these very blocks."""
+        return QuantLinear(self.format, self.blocks, self.embedding_dim)
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights as held: parameters and block buffers, a shared tensor once."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + [m.blocks for m in model.modules()
+                                         if isinstance(m, (QuantLinear, QuantEmbedding))]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def held_formats(model: nn.Module) -> dict[str, int]:
+    """Matrices per format: ``{"Q4_1": 210, "Q8_0": 1, "fp32": 0...}`` (a tied head counted once)."""
+    counts: dict[str, int] = {}
+    seen: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            key, ptr = m.format.name, m.blocks.data_ptr()
+        elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight is not None and m.weight.numel():
+            key, ptr = str(m.weight.dtype).removeprefix("torch."), m.weight.data_ptr()
+        else:
+            continue
+        if ptr not in seen:
+            seen.add(ptr)
+            counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -1,0 +1,167 @@
+"""Weights held as the GGUF file stores them (``kvlab.models.weights``): every format's values
+are gguf.quants' to the bit, the native kernel is bitwise the fp32 kernel on the dequantised
+weight, and a model held as stored gives the very logits and tokens of its dense fp32 load, on
+each branch this CPU runs (the native kernels, or the reference path where they are off)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvlab import kernels
+from kvlab.cli import main
+from kvlab.engine.llm import LLM
+from kvlab.generate import generate
+from kvlab.models import NoCache, load
+from kvlab.models.loader import choose_weights
+from kvlab.models.llama import Linear
+from kvlab.models.weights import FORMATS, QuantEmbedding, QuantLinear, check_format, held_bytes
+from kvlab.sampling import SamplingParams
+from tests.test_gguf import write_tiny_gguf
+from tests.test_models import make_checkpoint
+
+NATIVE = kernels.status().available
+
+
+def _blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights [n, k] quantised by gguf.quants: (blocks, gguf.quants' dequantised values)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block (scale 0)
+    raw = gguf.quants.quantize(w, getattr(Q, name))
+    ref = gguf.quants.dequantize(raw, getattr(Q, name)).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_dequantisation_is_gguf_quants_to_the_bit(name):
+    fmt = FORMATS[name]
+    blocks, ref = _blocks(name, 37, 160)
+    assert blocks.shape == (37, fmt.row_bytes(160))
+    assert torch.equal(fmt.reference(blocks), ref)
+    assert torch.equal(fmt.dequantize(blocks, 160), ref)  # the native one where it runs
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_layer_is_the_dense_layer_on_the_dequantised_weight(name):
+    """A QuantLinear makes a dense fp32 Linear's choices (native kernel up to its row limit,
+    F.linear above) on the same values: bitwise equal at every row count, bias or not, odd N."""
+    blocks, ref = _blocks(name, 45, 96, seed=1)
+    bias = torch.randn(45)
+    q = QuantLinear(FORMATS[name], blocks, 96, bias.clone())
+    dense = Linear(96, 45)
+    with torch.no_grad():
+        dense.weight.copy_(ref)
+        dense.bias.copy_(bias)
+    for m in (1, 2, 3, 4, 5, 49, 64, 65, 130):
+        x = torch.randn(m, 96)
+        with torch.no_grad():
+            assert torch.equal(q(x), dense(x)), m
+    if NATIVE:
+        x = torch.randn(7, 96)
+        assert torch.equal(kernels.linear_q(x, blocks, FORMATS[name].code, None), kernels.linear(x, ref, None))
+
+
+def test_an_embedding_reads_its_rows_exactly():
+    blocks, ref = _blocks("Q8_0", 50, 64)
+    emb = QuantEmbedding(FORMATS["Q8_0"], blocks, 64)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(emb(ids), ref[ids])
+    head = emb.as_linear()
+    assert head.blocks is emb.blocks  # tied: one copy
+
+
+def test_formats_without_a_kernel_name_themselves():
+    with pytest.raises(ValueError, match=r"GGUF type Q4_K cannot run as stored; kvlab runs Q8_0, Q4_0, Q4_1, Q5_0"):
+        check_format("Q4_K")
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        QuantLinear(FORMATS["Q4_1"], torch.zeros(4, 20, dtype=torch.uint8), 40)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+def test_a_tiny_gguf_runs_as_stored_with_the_dense_logits_and_tokens(tmp_path, qtype):
+    folder = make_checkpoint(tmp_path / "hf", "llama", attention_bias=qtype == Q.Q4_1)
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", qtype)
+    stored = load(tmp_path / "m.gguf")
+    dense = load(tmp_path / "m.gguf", weights="dense")
+    assert dense.weights.formats == frozenset()
+    if NATIVE:
+        assert stored.weights.formats == {qtype.name}, stored.weights
+        assert isinstance(stored.model.model.layers[0].self_attn.q_proj, QuantLinear)
+        assert held_bytes(stored.model) < held_bytes(dense.model) / 3
+    else:  # auto holds blocks only where the kernels run
+        assert stored.weights.formats == frozenset() and "native kernels do not run" in stored.weights.why
+        stored = load(tmp_path / "m.gguf", weights="as-stored")
+        assert "slow" in stored.weights.why
+    ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(0))  # past 64 rows
+    with torch.no_grad():
+        a = stored.model(ids, NoCache(stored.model.spec).prepare(70), NoCache(stored.model.spec), None)
+        b = dense.model(ids, NoCache(dense.model.spec).prepare(70), NoCache(dense.model.spec), None)
+    assert torch.equal(a, b)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = generate(stored.model, ids[:9].tolist(), params).token_ids
+    assert got == generate(dense.model, ids[:9].tolist(), params).token_ids
+    # the paged engine, deterministic mode included, on the stored blocks
+    for deterministic in (False, True):
+        llm = LLM(stored.model, deterministic=deterministic)
+        out = llm.generate([ids[:9].tolist(), ids[:30].tolist()], params)
+        assert out[0].token_ids == got
+
+
+def test_weights_choice_and_its_errors(tmp_path, capsys):
+    folder = make_checkpoint(tmp_path / "hf", "llama")
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_1)
+    with pytest.raises(ValueError, match="unknown --weights 'q4'"):
+        choose_weights("q4", None, torch.float32, "cpu")
+    loaded = load(tmp_path / "m.gguf", "bf16")
+    assert loaded.weights.formats == frozenset() and "fp32 activations" in loaded.weights.why
+    assert main(["generate", str(tmp_path / "m.gguf"), "hi", "--weights", "as-stored", "--dtype", "bf16"]) == 2
+    assert "--weights as-stored runs with fp32 activations on the CPU" in capsys.readouterr().err
+    # a safetensors folder has no blocks: dense whatever is asked
+    assert load(folder, weights="as-stored").weights.formats == frozenset()
+
+
+def test_reference_path_where_the_kernels_are_off(tmp_path, monkeypatch):
+    """KVLAB_KERNELS=off's branch on any CPU: as-stored dequantises per call, the same logits."""
+    folder = make_checkpoint(tmp_path / "hf", "llama")
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_0)
+    monkeypatch.setattr(kernels, "_load", lambda: (None, kernels.Status(False, "off (test)")))
+    stored = load(tmp_path / "m.gguf", weights="as-stored")
+    assert stored.weights.formats == {"Q4_0"} and "slow" in stored.weights.why
+    assert load(tmp_path / "m.gguf").weights.formats == frozenset()
+    dense = load(tmp_path / "m.gguf", weights="dense")
+    ids = torch.arange(5, 40)
+    with torch.no_grad():
+        a = stored.model(ids, NoCache(stored.model.spec).prepare(35), NoCache(stored.model.spec), None)
+        b = dense.model(ids, NoCache(dense.model.spec).prepare(35), NoCache(dense.model.spec), None)
+    assert torch.equal(a, b)
+
+
+def test_the_default_model_as_stored_answers_as_dense_fp32(capsys):
+    """SmolLM2's Q4_1 layers and Q8_0 embedding as stored: the README's answer, the same tokens
+    as the dense fp32 load, at under a fifth of the bytes."""
+    stored, dense = load(None), load(None, weights="dense")
+    if NATIVE:
+        assert stored.weights.formats == {"Q4_1", "Q8_0"}
+        assert held_bytes(stored.model) < held_bytes(dense.model) / 5
+    chat = stored.chat_template.encode(stored.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    a = generate(stored.model, chat, params, stored.tokenizer)
+    assert a.token_ids == generate(dense.model, chat, params, dense.tokenizer).token_ids
+    assert "Paris" in a.text
+
+
+def test_tensor_parallel_ranks_run_the_stored_model_densified(tmp_path):
+    """--tp shards dense fp32 layers of the stored values: the tokens of the tp=1 stored run."""
+    folder = make_checkpoint(tmp_path / "hf", "llama")
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q8_0)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 50))]
+    ref = [o.token_ids for o in LLM(tmp_path / "m.gguf").generate(prompts, params)]
+    llm = LLM(tmp_path / "m.gguf", tp=2)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    finally:
+        llm.close()
