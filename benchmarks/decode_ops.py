@@ -28,7 +28,7 @@ from kvlab.sampling import SamplingParams
 # kvlab's row-wise kernels among them)
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-               "mkldnn::_linear_pointwise", "kvlab::linear"),
+               "mkldnn::_linear_pointwise", "kvlab::linear", "kvlab::linear_q"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
                   "aten::_softmax", "aten::softmax", "kvlab::paged_attention"),
     "cache reads and writes": ("aten::index_select", "aten::index_put_", "aten::index_copy_", "aten::index",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 _IMPORTED = time.perf_counter()  # the first command's start-up counts its imports too
 _started: list[float] = []  # when each call of main() began; the first one: at _IMPORTED
 
-from kvlab.dtypes import MODEL_DTYPE_HELP
+from kvlab.dtypes import MODEL_DTYPE_HELP, WEIGHTS_HELP
 from kvlab.engine.options import byte_size, check_torchrun_tp, positive_int, torchrun_rank
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          "keeps a cache; drop --no-cache")
     # tensor-parallel workers cut their shards from a whole model in this process's memory
     loaded = load(args.model, args.dtype, device="cpu" if args.tp > 1 else args.device,
-                  random_weights=args.random_weights, seed=args.seed or 0)
+                  random_weights=args.random_weights, seed=args.seed or 0, weights=args.weights)
     tok = loaded.tokenizer
     if tok.is_fallback:
         print(f"note: {loaded.model.name} has no tokenizer: the prompt is encoded as UTF-8 bytes "
@@ -193,12 +193,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result.load_s = load_s
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-                          "dtype_why": loaded.dtype.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
+                          "dtype_why": loaded.dtype.why, "weights": sorted(loaded.weights.formats),
+                          "weights_why": loaded.weights.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
                           **result.as_dict()}))
     else:
         print()
         print(result.figures() + (f" on each of {args.tp} ranks" if args.tp > 1 else "")
-              + f"; {loaded.dtype}", file=sys.stderr)
+              + f"; {loaded.dtype}; weights {loaded.weights}", file=sys.stderr)
     return 0
 
 
@@ -252,7 +253,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from kvlab.models import load
     from kvlab.progress import progress_bar
 
-    loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed)
+    loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed,
+                  weights=args.weights)
     with progress_bar("measure", enabled=not args.json) as report:
         result = measure(loaded.model, args.contexts, args.new_tokens, args.prompt, progress=report)
     if args.plot:
@@ -304,7 +306,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed)
     # tensor-parallel workers cut their shards from a whole model in this process's memory
     loaded = load(args.model, args.dtype, device="cpu" if options.tp > 1 else args.device,
-                  random_weights=args.random_weights, seed=args.seed)
+                  random_weights=args.random_weights, seed=args.seed, weights=args.weights)
     model = loaded.model
     with Progress(transient=True, disable=args.json) as bar:
         task = bar.add_task("kvlab engine", total=args.num_requests)
@@ -375,7 +377,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    loaded = load(args.model, args.dtype, device=args.device)
+    loaded = load(args.model, args.dtype, device=args.device, weights=args.weights)
     with progress_bar("evict", enabled=not args.json) as report:
         rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
                         text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
@@ -474,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true",
                    help="random weights from the config (seeded); no tokenizer unless the folder has one")
     p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's; use 1 on a busy shared machine)")
@@ -493,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_arg, default=0,
                    help="seed of --random-weights (default 0); the measured prompts are fixed")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--contexts", type=_int_list, default=[128, 256, 512, 1024],
                    help="prefill lengths for the slope (default 128,256,512,1024)")
@@ -517,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--random-weights a catalogue name or config.json")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--num-requests", type=positive_int, default=64,
                    help="requests in the workload, all submitted at once (default 64)")
@@ -555,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "share a batch; --no-deterministic shows the batch noise of the fast kernels")
     p.add_argument("--dtype", default="fp32",
                    help="model dtype (default fp32: bf16 near-ties would add batch-dependent noise)")
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument("--plot", help="write quality against KV bytes kept to this PNG")

@@ -119,3 +119,9 @@ def matrix_bytes(dtype: StorageDtype, rows: int, cols: int) -> int:
 MODEL_DTYPE_HELP = ("auto (default: the checkpoint's values exactly and the same tokens on every CPU: fp32 on "
                     "a CPU, which holds fp16, bf16 and GGUF-quantised values exactly; on a GPU fp16 for fp16 "
                     "weights, else bf16), fp32, bf16 (faster on CPUs with oneDNN's bf16 kernels) or fp16")
+
+# --weights of the same commands (kvlab.models.loader.choose_weights)
+WEIGHTS_HELP = ("auto (default: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0 matrices as stored where kvlab's kernels "
+                "run, with fp32 activations: the same tokens as dense fp32 at a quarter to a sixth of the "
+                "bytes; other types dense), as-stored (also where the kernels do not run: slow), or dense "
+                "(every matrix in --dtype)")

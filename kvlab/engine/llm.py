@@ -31,14 +31,15 @@ class LLM:
     """A model behind the paged engine. ``model``: a GGUF file, a checkpoint folder, a bundled name
     (default ``smollm2-135m``), a catalogue name / config.json with ``random_weights=True``, or a
     built CausalLM.
-    ``dtype``: auto (bf16 where it runs fast, else fp32; see kvlab.models.loader.choose_dtype),
-    fp32, bf16 or fp16, for a model loaded here.
+    ``dtype``: auto (see kvlab.models.loader.choose_dtype), fp32, bf16 or fp16, and ``weights``:
+    auto, as-stored or dense (``choose_weights``), for a model loaded here.
     Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, tp, ...).
     With ``tp=N`` the model runs as N worker processes on ``device`` (see kvlab.engine.executor)."""
 
     def __init__(self, model: str | Path | CausalLM | None = None, *,
                  tokenizer: TextTokenizer | None = None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
-                 random_weights: bool = False, seed: int = 0, **engine_options: Any) -> None:
+                 random_weights: bool = False, seed: int = 0, weights: str = "auto",
+                 **engine_options: Any) -> None:
         options = EngineOptions(**engine_options)
         # tensor-parallel workers cut their shards from a whole model in this process's memory
         parallel = options.tp > 1
@@ -46,7 +47,7 @@ class LLM:
             built = model
         else:
             loaded = load(model, dtype, device="cpu" if parallel else device,
-                          random_weights=random_weights, seed=seed)
+                          random_weights=random_weights, seed=seed, weights=weights)
             built, tokenizer = loaded.model, tokenizer or loaded.tokenizer
         self.engine = LLMEngine(built, tokenizer, options, device=device if parallel else None)
 

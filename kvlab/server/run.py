@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvlab import dispatch
-from kvlab.dtypes import MODEL_DTYPE_HELP
+from kvlab.dtypes import MODEL_DTYPE_HELP, WEIGHTS_HELP
 from kvlab.engine.options import EngineOptions, add_engine_args
 
 if TYPE_CHECKING:  # keep torch out of flag parsing
@@ -50,6 +50,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "ended (default 30)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
     p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
+    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random-weights")
@@ -59,7 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_bridge(model: str | Path | None, options: EngineOptions | None = None, *, dtype: str = "auto",
-                 device: str = "cpu", random_weights: bool = False, seed: int = 0,
+                 weights: str = "auto", device: str = "cpu", random_weights: bool = False, seed: int = 0,
                  served_model_name: str | None = None) -> EngineBridge:
     """Load the model, allocate the paged cache, and wrap the engine for the app."""
     from kvlab.engine.llm import LLM
@@ -69,9 +70,9 @@ def build_bridge(model: str | Path | None, options: EngineOptions | None = None,
     options = options or EngineOptions()
     # tensor-parallel workers cut their shards from a whole model in this process's memory
     loaded = load(model, dtype, device="cpu" if options.tp > 1 else device, random_weights=random_weights,
-                  seed=seed)
+                  seed=seed, weights=weights)
     logger = logging.getLogger("kvlab.server")
-    logger.info("%s in %s", loaded.model.name, loaded.dtype)
+    logger.info("%s in %s; weights %s", loaded.model.name, loaded.dtype, loaded.weights)
     logger.info("CPU paths: %s", "; ".join(f"{f.switch} {'on' if f else 'off'} ({f.why})"
                                            for f in dispatch.report()))
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=device, **asdict(options))
@@ -107,8 +108,8 @@ def serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    bridge = build_bridge(args.model, EngineOptions.from_args(args), dtype=args.dtype, device=args.device,
-                          random_weights=args.random_weights, seed=args.seed,
+    bridge = build_bridge(args.model, EngineOptions.from_args(args), dtype=args.dtype, weights=args.weights,
+                          device=args.device, random_weights=args.random_weights, seed=args.seed,
                           served_model_name=args.served_model_name)
     print(f"kvlab: serving {bridge.model_id} on http://{args.host}:{args.port}/ "
           f"(OpenAI API under /v1, metrics at /metrics)", file=sys.stderr, flush=True)
