@@ -1,11 +1,13 @@
 """Every choice kvlab makes because of the CPU it runs on, each behind one switch read here.
 
-Two fast paths exist only on some x86 CPUs:
+Three fast paths exist only on some x86 CPUs:
 
 - ``KVLAB_KERNELS``: kvlab's native C kernels (``kvlab.kernels``), which need AVX2, FMA and a C
   compiler;
 - ``KVLAB_ONEDNN_BF16``: oneDNN's packed bf16 matmul, which PyTorch runs only on CPUs with
-  AVX-512 or AVX-NE-CONVERT bf16 support (a probe decides).
+  AVX-512 or AVX-NE-CONVERT bf16 support (a probe decides);
+- ``KVLAB_AVX512``: the native kernels' AVX-512 loops for weights in GGUF block formats, which
+  give the AVX2 loops' results bit for bit (two weight rows per register, each the same chain).
 
 A switch set to ``off`` (also ``0``, ``no``, ``false``) makes every kvlab decision take the
 branch a CPU without the feature takes, so every branch can be run, and tested, on a machine
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 SWITCHES = {
     "KVLAB_KERNELS": "kvlab's native C kernels (AVX2 + FMA, built with the system's C compiler)",
     "KVLAB_ONEDNN_BF16": "oneDNN's packed bf16 matmul (CPUs with AVX-512 or AVX-NE-CONVERT bf16)",
+    "KVLAB_AVX512": "the native kernels' AVX-512 loops for GGUF block formats (bitwise the AVX2 ones)",
 }
 _OFF = ("off", "0", "no", "false")
 
@@ -76,7 +79,20 @@ def native_kernels() -> Feature:
     return Feature("KVLAB_KERNELS", status.available, why)
 
 
+def avx512_kernels() -> Feature:
+    """Do the native kernels take their AVX-512 loops here (the CPU says, through the library)?"""
+    from kvlab import kernels
+
+    if switched_off("KVLAB_AVX512"):
+        return Feature("KVLAB_AVX512", False, "KVLAB_AVX512=off")
+    if not kernels.status().available:
+        return Feature("KVLAB_AVX512", False, "the native kernels do not run here")
+    if not kernels.avx512():
+        return Feature("KVLAB_AVX512", False, "this CPU lacks AVX-512 F and DQ")
+    return Feature("KVLAB_AVX512", True, "this CPU has AVX-512 F and DQ")
+
+
 def report() -> list[Feature]:
     """Every CPU-dependent path and its state here, for start-up lines and ``python -m
     kvlab.kernels``."""
-    return [native_kernels(), onednn_bf16()]
+    return [native_kernels(), avx512_kernels(), onednn_bf16()]

@@ -64,6 +64,26 @@ def test_the_layer_is_the_dense_layer_on_the_dequantised_weight(name):
         assert torch.equal(kernels.linear_q(x, blocks, FORMATS[name].code, None), kernels.linear(x, ref, None))
 
 
+@pytest.mark.skipif(not (NATIVE and kernels.avx512()), reason="no AVX-512 loop here (the AVX2 one is tested above)")
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_avx512_loop_is_the_avx2_loop_to_the_bit(name):
+    """Two weight rows per zmm, each half the AVX2 chain: equal at every tile shape (odd N leaves
+    a pair half-empty; 1, 2, 3 and 4 input rows take each tile)."""
+    lib = kernels._load()[0]
+    blocks, _ = _blocks(name, 21, 224, seed=2)
+    bias = torch.randn(21)
+    try:
+        for m in (1, 2, 3, 4, 7):
+            x = torch.randn(m, 224)
+            wide = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
+            lib.kvlab_set_avx512(0)
+            narrow = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
+            lib.kvlab_set_avx512(1)
+            assert torch.equal(wide, narrow), m
+    finally:
+        lib.kvlab_set_avx512(1)
+
+
 def test_an_embedding_reads_its_rows_exactly():
     blocks, ref = _blocks("Q8_0", 50, 64)
     emb = QuantEmbedding(FORMATS["Q8_0"], blocks, 64)

@@ -7,7 +7,8 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
   not depend on the batch, so deterministic mode needs no padded rows with it.
 - ``linear_q``, ``dequantize`` (``linear.c``, ``blocks.h``): the same for weights kept in GGUF's
   Q8_0, Q4_0, Q4_1 and Q5_0 blocks, dequantised in registers to the file's exact values, so
-  bitwise ``linear`` on the dequantised weight, reading 4-6x fewer bytes.
+  bitwise ``linear`` on the dequantised weight, reading 4-6x fewer bytes. On CPUs with AVX-512
+  two weight rows share each register (``KVLAB_AVX512=off``: the AVX2 loop; the same bits).
 - ``paged_attention`` (``attention.c``): query rows against their keys and values read in place
   in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA. A row's result does not
   depend on the other rows either.
@@ -60,6 +61,7 @@ MAX_ROWS = 64
 class Status:
     available: bool
     detail: str  # the library's path, or why PyTorch's matmul runs instead
+    avx512: bool = False  # the block formats' AVX-512 loops run (kvlab_set_avx512)
 
 
 @functools.cache
@@ -113,7 +115,9 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     lib.kvlab_decoder_layer.argtypes = [p, p, n, n, n, n, n, n, f, p, p, p, p, p, p, n, i, p, p, n, p, p, p,
                                         i, i]
     lib.kvlab_decoder_layer.restype = ctypes.c_int
-    return lib, Status(True, str(path))
+    lib.kvlab_set_avx512.argtypes, lib.kvlab_set_avx512.restype = [ctypes.c_int], ctypes.c_int
+    wide = bool(lib.kvlab_set_avx512(int(not dispatch.switched_off("KVLAB_AVX512"))))
+    return lib, Status(True, str(path), wide)
 
 
 def _profiled(name: str) -> contextlib.AbstractContextManager:
@@ -125,6 +129,12 @@ def _profiled(name: str) -> contextlib.AbstractContextManager:
 def status() -> Status:
     """Whether the native kernels run here (building them if needed), and why not."""
     return _load()[1]
+
+
+def avx512() -> bool:
+    """Do the block formats' AVX-512 loops run (the CPU has AVX-512 F and DQ, ``KVLAB_AVX512`` is
+    not off)? Their results are bitwise the AVX2 loops': only the speed differs."""
+    return status().avx512
 
 
 def max_rows(dtype: torch.dtype) -> int:

@@ -9,7 +9,7 @@
  * dequantises them (llama.cpp's ggml-quants.c).
  *
  * Every d * q here is exact in fp32 (an 11-bit scale times a 4- to 8-bit integer), and Q4_1's
- * + m rounds once whether fused or not, so qload8 gives the dequantised values bit for bit.
+ * + m rounds once whether fused or not, so qblock8 gives the dequantised values bit for bit.
  */
 #ifndef KVLAB_BLOCKS_H
 #define KVLAB_BLOCKS_H
@@ -27,35 +27,86 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* 8 nibbles of a 16-byte nibble array from weight `at` (a multiple of 8) on, as int32 lanes */
-static inline __m256i nibbles8(const uint8_t *qs, int at) {
-    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + (at & 15))));
-    if (at >= 16) q = _mm256_srli_epi32(q, 4);
-    return _mm256_and_si256(q, _mm256_set1_epi32(15));
-}
-
-/* Weights k..k+7 (k a multiple of 8) of a row stored in format fmt, as fp32. */
-static inline __m256 qload8(const uint8_t *row, long k, const int fmt) {
-    const uint8_t *b = row + (k / QK) * BLOCK_BYTES[fmt];
-    const int at = (int)(k % QK);
+/* The 32 weights of block b in format fmt as fp32, in four groups of 8 (out[g]: weights 8g..8g+7).
+ * One scale load per block, one 16-byte load of its nibbles. */
+static inline __attribute__((always_inline)) void qblock8(const uint8_t *b, const int fmt, __m256 out[4]) {
     const __m256 d = _mm256_set1_ps(half_at(b));
     if (fmt == Q8_0) {
-        __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + at)));
-        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+        for (int g = 0; g < 4; g++)
+            out[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g)))));
+        return;
     }
-    if (fmt == Q4_0) {
-        __m256i q = _mm256_sub_epi32(nibbles8(b + 2, at), _mm256_set1_epi32(8));
-        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : 6)));
+    const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    const __m256i mask = _mm256_set1_epi32(15);
+    __m256i q[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask), _mm256_srli_epi32(lo, 4),
+                    _mm256_srli_epi32(hi, 4)};
+    if (fmt == Q4_1) {
+        const __m256 m = _mm256_set1_ps(half_at(b + 2));
+        for (int g = 0; g < 4; g++) out[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);
+        return;
     }
-    if (fmt == Q4_1)
-        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(nibbles8(b + 4, at)), _mm256_set1_ps(half_at(b + 2)));
-    /* Q5_0 */
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> at)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    hi = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), 4);
-    __m256i q = _mm256_sub_epi32(_mm256_or_si256(nibbles8(b + 6, at), hi), _mm256_set1_epi32(16));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+    for (int g = 0; g < 4; g++) {
+        if (fmt == Q5_0) {
+            __m256i h = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> 8 * g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            q[g] = _mm256_sub_epi32(_mm256_or_si256(q[g], _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(1)), 4)),
+                                    _mm256_set1_epi32(16));
+        } else {
+            q[g] = _mm256_sub_epi32(q[g], _mm256_set1_epi32(8));
+        }
+        out[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[g]));
+    }
+}
+
+/* AVX-512: the blocks a and b of two weight rows at once, row a's 8 weights in the low half of
+ * each zmm, row b's in the high half: the same values in the same lanes' order as qblock8, so an
+ * 8-lane chain per half is bitwise qblock8's. */
+#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512dq"), always_inline))
+
+static inline T512 __m512 pair_ps(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+static inline T512 void qblock16(const uint8_t *a, const uint8_t *b, const int fmt, __m512 out[4]) {
+    const __m512 d = pair_ps(half_at(a), half_at(b));
+    if (fmt == Q8_0) {
+        for (int g = 0; g < 4; g++) {
+            __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(a + 2 + 8 * g)),
+                                           _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g)));
+            out[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+        }
+        return;
+    }
+    const int at = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : 6;
+    const __m128i qa = _mm_loadu_si128((const __m128i *)(a + at)), qb = _mm_loadu_si128((const __m128i *)(b + at));
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));
+    const __m512i mask = _mm512_set1_epi32(15);
+    __m512i q[4] = {_mm512_and_si512(lo, mask), _mm512_and_si512(hi, mask), _mm512_srli_epi32(lo, 4),
+                    _mm512_srli_epi32(hi, 4)};
+    if (fmt == Q4_1) {
+        const __m512 m = pair_ps(half_at(a + 2), half_at(b + 2));
+        for (int g = 0; g < 4; g++) out[g] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q[g]), m);
+        return;
+    }
+    uint32_t ha, hb;
+    memcpy(&ha, a + 2, 4);
+    memcpy(&hb, b + 2, 4);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < 4; g++) {
+        if (fmt == Q5_0) {
+            __m512i h = _mm512_inserti32x8(_mm512_set1_epi32((int)(ha >> 8 * g)),
+                                           _mm256_set1_epi32((int)(hb >> 8 * g)), 1);
+            h = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, lanes), _mm512_set1_epi32(1)), 4);
+            q[g] = _mm512_sub_epi32(_mm512_or_si512(q[g], h), _mm512_set1_epi32(16));
+        } else {
+            q[g] = _mm512_sub_epi32(q[g], _mm512_set1_epi32(8));
+        }
+        out[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q[g]));
+    }
 }
 
 #endif

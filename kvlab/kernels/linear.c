@@ -25,7 +25,8 @@
 #define MB 3     /* input rows per tile: MB * 4 accumulators + 4 weights + 1 input in 16 registers */
 #define MBLOCK 48 /* input rows per pass over the weights (a multiple of MB) */
 #define PF_TILES 2 /* block-format weight tiles prefetched ahead (past the end: harmless) */
-#define PF_EVERY 32 /* weights between prefetches of a row */
+
+static int use512; /* kvlab_set_avx512: the block formats' AVX-512 loops, bitwise the AVX2 ones */
 
 
 /* Input rows m0..m0+mb-1 against weight rows n0..n0+nn-1 (nn <= nb); mb, nb and bf16 are
@@ -59,11 +60,13 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
 }
 
 /* tile() for fp32 rows against a weight in block format fmt (K a multiple of 32): the same chain
- * of FMAs, each weight dequantised as it is loaded. */
+ * of FMAs, each block of 32 weights dequantised as it is loaded. Each row of the tile is
+ * prefetched PF_TILES tiles ahead, block by block: a row is read a few bytes a step, too slowly
+ * for the hardware prefetcher alone (measured: half the rate from DRAM without it). */
 static inline __attribute__((always_inline)) void qtile(const float *x, const uint8_t *w, const float *b,
                                                         float *y, long m0, const int mb, long n0,
                                                         const int nb, long nn, long N, long K, const int fmt) {
-    const long rb = K / QK * BLOCK_BYTES[fmt];
+    const long bb = BLOCK_BYTES[fmt], rb = K / QK * bb;
     const uint8_t *wr[NB_MAX];
     const float *xr[MB];
     for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
@@ -71,17 +74,14 @@ static inline __attribute__((always_inline)) void qtile(const float *x, const ui
     __m256 acc[MB][NB_MAX];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k += 8) {
-        __m256 wv[NB_MAX];
-        if (k % PF_EVERY == 0) /* each row of the tile PF_TILES ahead, as far as this one: a row is
-                                * read a few bytes a step, too slowly for the hardware prefetcher
-                                * alone (measured: half the rate from DRAM without this) */
-            for (int j = 0; j < nb; j++)
-                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + k / QK * BLOCK_BYTES[fmt]), _MM_HINT_T0);
-        for (int j = 0; j < nb; j++) wv[j] = qload8(wr[j], k, fmt);
-        for (int i = 0; i < mb; i++) {
-            __m256 xv = _mm256_loadu_ps(xr[i] + k);
-            for (int j = 0; j < nb; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    for (long kb = 0; kb < K / QK; kb++) {
+        for (int j = 0; j < nb; j++) _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + kb * bb), _MM_HINT_T0);
+        for (int j = 0; j < nb; j++) {
+            __m256 wv[4];
+            qblock8(wr[j] + kb * bb, fmt, wv);
+            for (int i = 0; i < mb; i++)
+                for (int g = 0; g < 4; g++)
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + kb * QK + 8 * g), wv[g], acc[i][j]);
         }
     }
     for (int i = 0; i < mb; i++)
@@ -92,22 +92,68 @@ static inline __attribute__((always_inline)) void qtile(const float *x, const ui
         }
 }
 
-/* One weight tile (weight rows n0.., input rows block..end) of a part in block format fmt. */
-static inline __attribute__((always_inline)) void qtiles(const float *x, const kvlab_part *part, long n0,
-                                                         int nb, long block, long end, long M, long K,
-                                                         const int fmt) {
-    const long N = part->N, nn = N - n0 < nb ? N - n0 : nb;
-    const uint8_t *w = part->w;
-    const float *b = part->b;
-    float *y = part->y;
-    if (M == 1) {
-        qtile(x, w, b, y, 0, 1, n0, 8, nn, N, K, fmt);
-        return;
+/* qtile with AVX-512: weight rows in pairs, one zmm per pair and input row (qblock16), each half
+ * the 8-lane chain of qtile, so the same bits at about half the instructions per weight. */
+static inline T512 void qtile512(const float *x, const uint8_t *w, const float *b, float *y, long m0,
+                                 const int mb, long n0, const int nb, long nn, long N, long K, const int fmt) {
+    const long bb = BLOCK_BYTES[fmt], rb = K / QK * bb;
+    const uint8_t *wr[NB_MAX];
+    const float *xr[MB];
+    for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
+    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * K;
+    __m512 acc[MB][NB_MAX / 2];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nb / 2; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long kb = 0; kb < K / QK; kb++) {
+        for (int j = 0; j < nb; j++) _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + kb * bb), _MM_HINT_T0);
+        for (int j = 0; j < nb / 2; j++) {
+            __m512 wv[4];
+            qblock16(wr[2 * j] + kb * bb, wr[2 * j + 1] + kb * bb, fmt, wv);
+            for (int i = 0; i < mb; i++)
+                for (int g = 0; g < 4; g++)
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(xr[i] + kb * QK + 8 * g)),
+                                                wv[g], acc[i][j]);
+        }
     }
-    long m0 = block;
-    for (; m0 + MB <= end; m0 += MB) qtile(x, w, b, y, m0, MB, n0, 4, nn, N, K, fmt);
-    if (end - m0 == 2) qtile(x, w, b, y, m0, 2, n0, 4, nn, N, K, fmt);
-    else if (end - m0 == 1) qtile(x, w, b, y, m0, 1, n0, 4, nn, N, K, fmt);
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nn; j++) {
+            __m256 half = j % 2 ? _mm512_extractf32x8_ps(acc[i][j / 2], 1) : _mm512_castps512_ps256(acc[i][j / 2]);
+            float s = hsum(half);
+            if (b) s += b[n0 + j];
+            y[(m0 + i) * N + n0 + j] = s;
+        }
+}
+
+/* One weight tile (weight rows n0.., input rows block..end) of a part in block format fmt, by
+ * qtile or (wide) qtile512: the same tiles either way. */
+#define QTILES(NAME, TILE, ATTR)                                                                      \
+    static inline ATTR void NAME(const float *x, const kvlab_part *part, long n0, int nb, long block, \
+                                 long end, long M, long K, const int fmt) {                           \
+        const long N = part->N, nn = N - n0 < nb ? N - n0 : nb;                                      \
+        const uint8_t *w = part->w;                                                                   \
+        const float *b = part->b;                                                                     \
+        float *y = part->y;                                                                           \
+        if (M == 1) {                                                                                 \
+            TILE(x, w, b, y, 0, 1, n0, 8, nn, N, K, fmt);                                             \
+            return;                                                                                   \
+        }                                                                                             \
+        long m0 = block;                                                                              \
+        for (; m0 + MB <= end; m0 += MB) TILE(x, w, b, y, m0, MB, n0, 4, nn, N, K, fmt);              \
+        if (end - m0 == 2) TILE(x, w, b, y, m0, 2, n0, 4, nn, N, K, fmt);                             \
+        else if (end - m0 == 1) TILE(x, w, b, y, m0, 1, n0, 4, nn, N, K, fmt);                        \
+    }
+QTILES(qtiles, qtile, __attribute__((always_inline)))
+QTILES(qtiles512_fmt, qtile512, T512)
+
+/* Not inlined into linear(): its AVX-512 code runs only where kvlab_set_avx512 found the CPU's. */
+static __attribute__((target("avx2,fma,f16c,avx512f,avx512dq"), noinline)) void
+qtiles512(const float *x, const kvlab_part *part, long n0, int nb, long block, long end, long M, long K) {
+    switch (part->fmt) {
+    case Q8_0: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q8_0); break;
+    case Q4_0: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_0); break;
+    case Q4_1: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_1); break;
+    default: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q5_0); break;
+    }
 }
 
 /* y_p = x w_p^T (+ b_p) for each part p sharing the input x: every part's weight tiles in one
@@ -128,6 +174,10 @@ static inline __attribute__((always_inline)) void linear(const void *x, const kv
             while (t >= first[p + 1]) p++;
             if (!bf16 && parts[p].fmt != DENSE) { /* the format, a constant inside each call */
                 const long q0 = (t - first[p]) * nb;
+                if (use512) {
+                    qtiles512(x, &parts[p], q0, nb, block, end, M, K);
+                    continue;
+                }
                 switch (parts[p].fmt) {
                 case Q8_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q8_0); break;
                 case Q4_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_0); break;
@@ -185,17 +235,24 @@ void kvlab_linear_q(const float *x, const uint8_t *w, const float *b, float *y, 
 
 /* The fp32 values of rows [rows, K / 32 blocks] in block format fmt: exactly gguf.quants'. */
 void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, int threads) {
-    const long rb = K / QK * BLOCK_BYTES[fmt];
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * K > 65536)
-    for (long r = 0; r < rows; r++)
-        for (long k = 0; k < K; k += 8) {
-            __m256 v;
-            switch (fmt) {
-            case Q8_0: v = qload8(w + r * rb, k, Q8_0); break;
-            case Q4_0: v = qload8(w + r * rb, k, Q4_0); break;
-            case Q4_1: v = qload8(w + r * rb, k, Q4_1); break;
-            default: v = qload8(w + r * rb, k, Q5_0); break;
-            }
-            _mm256_storeu_ps(out + r * K + k, v);
+    const long bb = BLOCK_BYTES[fmt], blocks = rows * (K / QK);
+#pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 2048)
+    for (long i = 0; i < blocks; i++) {
+        __m256 v[4];
+        switch (fmt) {
+        case Q8_0: qblock8(w + i * bb, Q8_0, v); break;
+        case Q4_0: qblock8(w + i * bb, Q4_0, v); break;
+        case Q4_1: qblock8(w + i * bb, Q4_1, v); break;
+        default: qblock8(w + i * bb, Q5_0, v); break;
         }
+        for (int g = 0; g < 4; g++) _mm256_storeu_ps(out + i * QK + 8 * g, v[g]);
+    }
+}
+
+/* Take the AVX-512 loops if asked and this CPU (and its OS) has AVX-512 F and DQ; returns
+ * whether they run. kvlab.kernels calls it once at load, from kvlab.dispatch's switch. */
+int kvlab_set_avx512(int want) {
+    __builtin_cpu_init();
+    use512 = want && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    return use512;
 }
