@@ -66,12 +66,19 @@ static inline __attribute__((always_inline)) void qblock8(const uint8_t *b, cons
  * 8-lane chain per half is bitwise qblock8's. */
 #define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512dq"), always_inline))
 
-static inline T512 __m512 pair_ps(float a, float b) {
-    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+/* The fp16 pairs at a and b (d, and Q4_1's m after it) widened at once: lanes 0-7 a's, 8-15 b's. */
+static inline T512 void scales16(const uint8_t *a, const uint8_t *b, __m512 *d, __m512 *m) {
+    uint32_t sa, sb;
+    memcpy(&sa, a, 4);
+    memcpy(&sb, b, 4);
+    const __m512 s = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32((int)sa, (int)sb, 0, 0)));
+    *d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), s);
+    if (m) *m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), s);
 }
 
 static inline T512 void qblock16(const uint8_t *a, const uint8_t *b, const int fmt, __m512 out[4]) {
-    const __m512 d = pair_ps(half_at(a), half_at(b));
+    __m512 d, m;
+    scales16(a, b, &d, fmt == Q4_1 ? &m : NULL);
     if (fmt == Q8_0) {
         for (int g = 0; g < 4; g++) {
             __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(a + 2 + 8 * g)),
@@ -88,7 +95,6 @@ static inline T512 void qblock16(const uint8_t *a, const uint8_t *b, const int f
     __m512i q[4] = {_mm512_and_si512(lo, mask), _mm512_and_si512(hi, mask), _mm512_srli_epi32(lo, 4),
                     _mm512_srli_epi32(hi, 4)};
     if (fmt == Q4_1) {
-        const __m512 m = pair_ps(half_at(a + 2), half_at(b + 2));
         for (int g = 0; g < 4; g++) out[g] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q[g]), m);
         return;
     }

@@ -106,6 +106,13 @@ void kvlab_silu_mul(void *gate, const void *up, long n, int bf16, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= 1 << 16)
     for (long i = 0; i < n; i += 8) {
         const long w = n - i < 8 ? n - i : 8;
+        if (!bf16 && w == 8) { /* the same ops on registers, without the scalar staging below */
+            const __m256 x = _mm256_loadu_ps((const float *)gate + i);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 sx = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps((float *)gate + i, _mm256_mul_ps(sx, _mm256_loadu_ps((const float *)up + i)));
+            continue;
+        }
         float g[8] = {0}, u[8] = {0}, s[8];
         for (long j = 0; j < w; j++) g[j] = get(gate, i + j, bf16), u[j] = get(up, i + j, bf16);
         const __m256 x = _mm256_loadu_ps(g);
