@@ -7,8 +7,9 @@ The engines live outside the repository (benchmarks/peers.sh builds them):
     .venv/bin/python benchmarks/engine_lines.py [--only NAME] [--peers /work/peers]
 
 vLLM gets random weights (--load-format dummy) for a model folder holding only config.json;
-llama-server gets GGUF files: the bundled SmolLM2-135M and a small Gemma-3-shaped model written here
-with random weights and SmolLM2's tokenizer (benchmarks/gemma3_gguf.py). Servers bind 127.0.0.1
+llama-server gets GGUF files: the bundled SmolLM2-135M, a small Gemma-3-shaped model written here
+with random weights and SmolLM2's tokenizer (benchmarks/gemma3_gguf.py), and the optional Gemma 3
+270M Q4_K_M file when installed (its fixture's replay then needs the file too). Servers bind 127.0.0.1
 and are stopped as soon as the lines are logged.
 """
 
@@ -49,6 +50,8 @@ CONFIGS = [
     ("llamacpp-smollm2-q4-c8192", "llama.cpp", "smollm2-135m", ["-c", "8192", "-ctk", "q4_0", "-ctv", "q4_0"], {}),
     ("llamacpp-gemma3-8l-swa", "llama.cpp", "gemma3", ["-c", "6000"], {}),
     ("llamacpp-gemma3-8l-swa-np2", "llama.cpp", "gemma3", ["-c", "4096", "-np", "2", "-ctk", "q8_0"], {}),
+    # the real Gemma 3 270M Q4_K_M file (kvlab models --install gemma3-270m); skipped when absent
+    ("llamacpp-gemma3-270m-q4km", "llama.cpp", "gemma3-270m", ["-c", "4096"], {}),
 ]
 VLLM_LINE = re.compile(r"((?:CPU|GPU) KV cache size: .*x)\s*$")
 LLAMA_LINE = re.compile(r"(llama_kv_cache: size = .*MiB)\s*$")
@@ -56,9 +59,21 @@ LLAMA_READY = re.compile(r"listening on http")
 
 
 def kvlab_plan(model_arg: str, engine: str, args: list[str]) -> dict:
-    out = subprocess.run([str(ROOT / ".venv/bin/kvlab"), "plan", model_arg, "--engine", engine, *args, "--json"],
-                         capture_output=True, text=True, check=True)
+    # this checkout's kvlab (python -m from ROOT), whichever checkout the environment installed
+    out = subprocess.run([sys.executable, "-m", "kvlab", "plan", model_arg, "--engine", engine, *args, "--json"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout)
+
+
+def machine() -> str:
+    """The CPU as /proc/cpuinfo names it, its vector extensions, RAM."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    avx512 = sorted(f for f in flags if f in {"avx512f", "avx512_bf16", "avx512_vnni"})
+    vector = f"AVX-512 ({', '.join(avx512)})" if "avx512f" in flags else "AVX2 only (no AVX-512)"
+    ram = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    return f"{platform.machine()} {name}, {os.cpu_count()} cores, {vector}, {ram} GiB RAM, no GPU"
 
 
 def watch(cmd: list[str], env: dict, pattern: re.Pattern, count: int, timeout: float,
@@ -128,12 +143,15 @@ def main() -> None:
     ap.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS", "/work/peers")))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from kvlab.catalog import load_config, model_path
+    from kvlab.catalog import OPTIONAL, load_config, model_path
 
     FIXTURES.mkdir(parents=True, exist_ok=True)
     gemma_gguf = args.peers / "models" / "gemma3-8l.gguf"
     for name, engine, model, plan_args, env_extra in CONFIGS:
         if args.only and args.only not in name:
+            continue
+        if model in OPTIONAL and not OPTIONAL[model].installed():
+            print(f"== {name}: skipped, {model} not installed (kvlab models --install {model})")
             continue
         if model == "gemma3":
             model_arg = str(GEMMA3_CONFIG.relative_to(ROOT))
@@ -163,9 +181,10 @@ def main() -> None:
             "kvlab_plan": ["kvlab", "plan", model_arg, "--engine", engine, *plan_args],
             "log_lines": lines,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, AVX2 only (no AVX-512), "
-                       f"{round(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30)} GiB RAM, no GPU",
+            "machine": machine(),
         }
+        if model in OPTIONAL:  # the replay needs the file: kvlab plan reads its header
+            record["optional_model"] = model
         (FIXTURES / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
