@@ -19,7 +19,7 @@ from kvlab.plan import capacity, speed
 from kvlab.plan.engines import llamacpp, vllm
 from kvlab.plan.memory import PREFILL_CHUNK, kv_layout, kv_without_gqa, layer_breakdown, weights_split
 from kvlab.plan.parallel import check_tp, kv_split, layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
-from kvlab.spec import ModelSpec
+from kvlab.spec import ModelSpec, StoredWeights
 from kvlab.units import plural
 
 __all__ = ["Plan", "PlanRequest", "make_plan", "RUNTIME_OVERHEAD", "PREFILL_CHUNK"]
@@ -30,7 +30,7 @@ class PlanRequest:
     context: int = 8192
     users: int = 1
     kv_dtype: str = "bf16"
-    weights_dtype: str = "auto"  # auto: the checkpoint's quantization_config, else bf16
+    weights_dtype: str = "auto"  # auto: kvlab's engine's on this CPU, else quantization_config, else bf16
     gpu: str = "h100-sxm"
     gpus: int | None = None
     tp: int | None = None
@@ -94,9 +94,11 @@ class Plan:
     layer_breakdown: list[dict]
     # memory
     weights_bytes: int
-    weights_dtype_why: str  # --weights-dtype, the checkpoint's quantization_config, or the default
+    weights_dtype_why: str  # --weights-dtype, kvlab's engine, the checkpoint's quantization_config or the default
+    weights_held_by_kvlab: bool  # the weights are a GGUF file's as kvlab's engine holds it on this CPU
     stored_weights_bytes: int | None  # what the checkpoint file holds (GGUF: quantised tensors)
     stored_weights_formats: str | None
+    stored_weights_as_stored: str | None  # the file's types kvlab's engine runs as stored ("Q4_1, Q8_0")
     num_params: int
     active_params: int
     logits_bytes_all_positions: int
@@ -173,6 +175,21 @@ def choose_weights(spec: ModelSpec, req: PlanRequest) -> tuple[StorageDtype, str
     return weight_dtype("bf16"), "the default: no quantization_config"
 
 
+def engine_weights(spec: ModelSpec, req: PlanRequest, device: Device) -> StoredWeights | None:
+    """A GGUF file's weights as kvlab's engine holds them, where the plan is the engine's: on this
+    machine's CPU with --weights-dtype auto, it runs the file in fp32 and its GGUF_AS_STORED
+    matrices as stored (kvlab.models.loader.choose_weights). None elsewhere: those kernels are
+    CPU-only, and on a GPU a serving stack's format is the plan's."""
+    if req.weights_dtype == "auto" and device.key == "cpu" and spec.stored_weights is not None:
+        return spec.stored_weights
+    return None
+
+
+def held_label(held: StoredWeights) -> str:
+    """What the plan calls the engine's weights: ``as stored: Q4_1, Q8_0; the rest fp32``."""
+    return f"as stored: {', '.join(held.as_stored)}; the rest fp32" if held.as_stored else "fp32"
+
+
 def choose_device(req: PlanRequest) -> Device:
     """--gpu's datasheet; --gpu-memory replaces its memory only, and the device's name says so."""
     device = get_device(req.gpu)
@@ -239,6 +256,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     req.validate(spec)
     kvd, (wd, wd_why) = kv_dtype(req.kv_dtype), choose_weights(spec, req)
     device = choose_device(req)
+    held = engine_weights(spec, req, device)
     state_bytes = 4 if wd.bits == 32 else 2  # SSM state stays in the activation dtype
     logit_bytes = 4 if kvd.bits == 32 else 2
     notes = list(spec.notes)
@@ -262,9 +280,13 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     # ranks that hold different sequences: DP attention spreads the batch over the TP ranks too
     seq_ranks = replicas * (tp if req.dp_attention else 1)
 
-    # 3. memory
-    w_dense, w_experts = weights_split(spec, wd)
+    # 3. memory: the weights in wd, or on this CPU a GGUF file's as kvlab's engine holds it (no
+    # GGUF architecture kvlab reads has routed experts)
+    stack = weights_split(spec, wd)
+    w_dense, w_experts = (held.held_bytes, 0) if held else stack
     w_bytes = w_dense + w_experts
+    w_name, w_why = ((held_label(held), "kvlab's engine on this CPU, --weights auto") if held
+                     else (wd.name, wd_why))
     budget = budget_for(spec, device, req, w_bytes, tp, B, logit_bytes)
     max_seqs = budget.kv // per_seq_gpu * seq_ranks if per_seq_gpu and budget.kv > 0 else 0
 
@@ -318,13 +340,13 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     if max_seqs < B:
         notes.append(f"{plural(B, 'user')} of {T:,} tokens {'does' if B == 1 else 'do'} not fit on "
                      f"{gpus} x {device.name}: room for {max_seqs:,}")
-    predicted = engine_prediction(spec, req, device, w_bytes, tp)
+    predicted = engine_prediction(spec, req, device, sum(stack), tp)  # the peer's weights, not kvlab's
     if predicted and req.vllm is not None and predicted[3]["available_is_estimate"]:
         notes.append(f"vLLM measures its KV memory at start-up; this line uses kvlab's estimate of "
                      f"{predicted[3]['available_bytes']:,} B (give --kv-memory for the exact line)")
 
     return Plan(
-        model=spec.name, context=T, users=B, kv_dtype=kvd.name, weights_dtype=wd.name,
+        model=spec.name, context=T, users=B, kv_dtype=kvd.name, weights_dtype=w_name,
         gpu=device.key, tp=tp, gpus=gpus,
         kv_bytes_per_token=spec.kv_bytes_per_token(kvd), kv_bytes_per_sequence=per_seq,
         kv_bytes_total=per_seq * B, kv_bytes_per_gpu=per_seq_gpu,
@@ -333,9 +355,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         kv_fixed_bytes=spec.kv_fixed_bytes(kvd), kv_layout=kv_layout(spec, kvd),
         kv_split=kv_split(spec, tp, req.dp_attention),
         layer_breakdown=layer_breakdown(spec, T, kvd, state_bytes),
-        weights_bytes=w_bytes, weights_dtype_why=wd_why,
+        weights_bytes=w_bytes, weights_dtype_why=w_why, weights_held_by_kvlab=held is not None,
         stored_weights_bytes=spec.stored_weights.bytes if spec.stored_weights else None,
         stored_weights_formats=spec.stored_weights.describe() if spec.stored_weights else None,
+        stored_weights_as_stored=", ".join(spec.stored_weights.as_stored) if spec.stored_weights else None,
         num_params=spec.num_params, active_params=spec.active_params,
         logits_bytes_all_positions=T * spec.vocab_size * logit_bytes,
         logits_bytes_last_only=budget.logits,
@@ -356,7 +379,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         prefill_flops=flops,
         crossover_batch=speed.crossover_batch(per_seq_gpu, weights_read),
         work_table=speed.work_table(spec, req.prompt, req.new_tokens),
-        vllm_flags=flags, notes=notes, sources=_sources(wd, wd_why, device),
+        vllm_flags=flags, notes=notes, sources=_sources(wd, wd_why, held, device),
         kv_cache_blocks=cap.blocks if cap else None,
         kv_cache_tokens=cap.tokens if cap else None,
         max_concurrency=cap.max_concurrency if cap else None,
@@ -368,14 +391,20 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     )
 
 
-def _sources(wd: StorageDtype, wd_why: str, device: Device) -> dict[str, str]:
+def _sources(wd: StorageDtype, wd_why: str, held: StoredWeights | None, device: Device) -> dict[str, str]:
+    if held:
+        dense = (f"{', '.join(held.as_stored)} matrices as in the file, every other tensor" if held.as_stored
+                 else "every tensor")
+        weights = (f"the GGUF file's tensors as kvlab's engine holds them on this CPU (kvlab.models.weights."
+                   f"held_bytes): {dense} in fp32, 4 B per element")
+    else:
+        weights = (f"parameters from config.json; linear layers in {wd.name} ({wd.layout}; {wd_why}), "
+                   f"embeddings and norms in {'fp32' if wd.bits == 32 else '16-bit'}")
     return {
         "kv_bytes_per_token": "sum over layers of K and V vectors per token x dtype bytes "
                               "(2 x kv_heads x head_dim x bytes for GQA; kv_lora_rank + rope dim for MLA)",
         "kv_bytes_per_sequence": "per layer: bytes/token x min(context, window) + fixed SSM state",
-        "weights_bytes": f"parameters from config.json; linear layers in {wd.name} ({wd.layout}; "
-                         f"{wd_why}), "
-                         f"embeddings and norms in {'fp32' if wd.bits == 32 else '16-bit'}",
+        "weights_bytes": weights,
         "logits": "positions x vocab_size x 2 B: all prompt positions vs the last one only",
         "activation_allowance": f"estimate: one {PREFILL_CHUNK}-token prefill chunk x "
                                 f"(4 x hidden + 2 x intermediate) x 2 B",
