@@ -228,6 +228,9 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t = _table(f"kvlab bench: {r.model}, {r.num_requests} requests, {r.output_tokens:,} output tokens "
                f"in {r.seconds:,.1f} s")
     t.add_row("model dtype", r.dtype, r.dtype_why)
+    matrices = ", ".join(f"{n} {kind}" for kind, n in sorted(r.held_formats.items(), key=lambda kv: -kv[1]))
+    t.add_row("weights held", fmt_bytes(r.held_weight_bytes),
+              f"matrices {matrices}" + (f"; {r.weights}" if r.weights else "") + "; each decode step reads them")
     if r.linear_kernel:
         t.add_row("linear layers", "", r.linear_kernel)
     if r.deterministic:
