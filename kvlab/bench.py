@@ -25,6 +25,7 @@ from kvlab.engine.options import EngineOptions
 from kvlab.engine.sequence import Sequence
 from kvlab.hardware import cpu_device
 from kvlab.models.llama import CausalLM
+from kvlab.models.weights import held_bytes, held_formats
 from kvlab.plan import forward_flops, generation_flops
 from kvlab.plan.memory import weights_split
 from kvlab.plan.speed import weights_read
@@ -104,12 +105,15 @@ class BenchResult:
     compute_bound_tokens_per_s: float | None = None  # output tokens / (work at the matmul peak)
     # the engine's steps by phase: prefill steps compute a prompt token or more, decode steps one
     # new token per sequence; their FLOPs from `kvlab.plan.forward_flops`, decode's bytes are the
-    # weights and each sequence's cache read
+    # weights as held (held_weight_bytes) and each sequence's cache read
     prefill_seconds: float = 0.0
     prefill_flops: float = 0.0
     decode_seconds: float = 0.0
     decode_flops: float = 0.0
     decode_bytes: float = 0.0
+    held_weight_bytes: int = 0  # the weights the model holds, stored blocks as stored: each decode step's read
+    held_formats: dict[str, int] = field(default_factory=dict)  # its matrices per format (weights.held_formats)
+    weights: str = ""  # which matrices run as stored, and why (kvlab.models.loader.WeightsChoice)
     memory_bandwidth: float | None = None  # bytes/s: `kvlab plan --gpu cpu`'s measured figure
     prefill_peak_fraction: float | None = None  # achieved FLOP/s / matmul peak
     decode_peak_fraction: float | None = None  # achieved FLOP/s / matmul peak
@@ -153,7 +157,7 @@ class Phases:
     are upper estimates."""
 
     spec: ModelSpec
-    weights: tuple[int, int]  # bytes outside routed experts, bytes of routed experts
+    weights: tuple[int, int]  # the weights as held (decode_weights): outside routed experts, of routed experts
     kv_dtype: str
     prefill_seconds: float = 0.0
     prefill_flops: float = 0.0
@@ -183,6 +187,14 @@ class Phases:
         else:
             self.prefill_seconds += seconds
             self.prefill_flops += flops
+
+
+def decode_weights(model: CausalLM) -> tuple[int, int]:
+    """(bytes outside routed experts, bytes of routed experts) of the weights a decode step reads:
+    those the model holds (``held_bytes``: a GGUF file's Q4_1 blocks as stored, not their dense
+    fp32), the routed experts' share as ``weights_split`` counts them in the model's dtype."""
+    _, experts = weights_split(model.spec, weight_dtype(MODEL_KV_DTYPE[model.dtype]))
+    return held_bytes(model) - experts, experts
 
 
 def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
@@ -222,8 +234,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     tokens = 0
     done = 0
     peak_usage, waste_at_peak = 0.0, 0.0
-    phases = Phases(model.spec, weights_split(model.spec, weight_dtype(MODEL_KV_DTYPE[model.dtype])),
-                    engine.capacity.kv_dtype)
+    phases = Phases(model.spec, decode_weights(model), engine.capacity.kv_dtype)
     with torch.inference_mode():
         while engine.has_unfinished():
             before = phases.before(engine)
@@ -273,7 +284,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
         decode_tokens_per_s=(tokens - 1) / (seconds - ttfts[0]) if single else None,
         prefill_seconds=phases.prefill_seconds, prefill_flops=phases.prefill_flops,
         decode_seconds=phases.decode_seconds, decode_flops=phases.decode_flops,
-        decode_bytes=phases.decode_bytes,
+        decode_bytes=phases.decode_bytes, held_weight_bytes=sum(phases.weights), held_formats=held_formats(model),
         notes=["requests arrived one after another, each once the previous one had its first "
                "token"] if staggered and len(reqs) > 1 else [],
     )
@@ -364,10 +375,10 @@ def add_compute_bound(result: BenchResult, model: CausalLM) -> None:
 
 def bandwidth_bound(model: CausalLM, context: int) -> float:
     """Tokens/s a single sequence could reach at `context` if every step only read the weights
-    and its cache at this machine's measured bandwidth (`kvlab plan --gpu cpu`)."""
+    the model holds and its cache at this machine's measured bandwidth (`kvlab plan --gpu cpu`)."""
     from kvlab.plan import PlanRequest, make_plan
 
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
-    plan = make_plan(model.spec, PlanRequest(context=context, users=1, kv_dtype=dtype,
-                                             weights_dtype=dtype, gpu="cpu"))
+    dtype = MODEL_KV_DTYPE[model.dtype]
+    plan = make_plan(model.spec, PlanRequest(context=context, users=1, kv_dtype=dtype, weights_dtype=dtype,
+                                             gpu="cpu", held_weights=decode_weights(model)))
     return plan.decode_tokens_per_s

@@ -317,7 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             hf_tps, hf_out = run_hf(model, work, args.hf_batch_size, lambda d, t: bar.update(task, completed=d))
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
-    result.dtype_why = loaded.dtype.why
+    result.dtype_why, result.weights = loaded.dtype.why, str(loaded.weights)
     result.linear_kernel = kernels.describe(model.dtype, result.deterministic)
     add_compute_bound(result, model)
     if options.tp > 1:

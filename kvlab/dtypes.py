@@ -120,8 +120,12 @@ MODEL_DTYPE_HELP = ("auto (default: the checkpoint's values exactly and the same
                     "a CPU, which holds fp16, bf16 and GGUF-quantised values exactly; on a GPU fp16 for fp16 "
                     "weights, else bf16), fp32, bf16 (faster on CPUs with oneDNN's bf16 kernels) or fp16")
 
+# The GGUF types kvlab's engine runs as stored, multiplied by its native kernels
+# (kvlab.models.weights.FORMATS); here, free of torch, for the planner and the flags' help
+GGUF_AS_STORED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
+
 # --weights of the same commands (kvlab.models.loader.choose_weights)
-WEIGHTS_HELP = ("auto (default: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0 matrices as stored where kvlab's kernels "
-                "run, with fp32 activations: the same tokens as dense fp32 at a quarter to a sixth of the "
+WEIGHTS_HELP = (f"auto (default: a GGUF file's {'/'.join(GGUF_AS_STORED)} matrices as stored where kvlab's "
+                "kernels run, with fp32 activations: the same tokens as dense fp32 at a quarter to a sixth of the "
                 "bytes; other types dense), as-stored (also where the kernels do not run: slow), or dense "
                 "(every matrix in --dtype)")

@@ -22,13 +22,14 @@ Nothing here imports torch: ``kvlab plan FILE.gguf`` stays light.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvlab.dtypes import GGUF_AS_STORED
 from kvlab.spec import ConfigError, StoredWeights
 
 MAGIC = b"GGUF"
@@ -146,6 +147,12 @@ def open_gguf(path: str | Path) -> GGUFFile:
 @lru_cache(maxsize=4)
 def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
     return GGUFFile(path)
+
+
+def _is_blocks(tensor: Any, types: Collection[str]) -> bool:
+    """Whether a tensor of the file can be held as its stored blocks: a weight matrix in one of
+    ``types`` (a ``gguf.ReaderTensor``)."""
+    return len(tensor.shape) == 2 and tensor.tensor_type.name in types
 
 
 def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -281,10 +288,16 @@ class GGUFFile:
 
     @cached_property
     def stored_weights(self) -> StoredWeights:
+        """The file's bytes and types, and the bytes kvlab's engine holds running it on the CPU:
+        the matrices it keeps as their blocks (``blocks``) as in the file, every other tensor
+        dequantised to fp32, 4 B an element. Each tensor counts once, as the loader holds it: a
+        tied LM head has no tensor of its own in a GGUF file (it reads the embedding's)."""
         formats: dict[str, int] = {}
+        held = 0
         for t in self.reader.tensors:
             formats[t.tensor_type.name] = formats.get(t.tensor_type.name, 0) + 1
-        return StoredWeights(sum(int(t.n_bytes) for t in self.reader.tensors), formats)
+            held += int(t.n_bytes) if _is_blocks(t, GGUF_AS_STORED) else int(t.n_elements) * 4
+        return StoredWeights(sum(int(t.n_bytes) for t in self.reader.tensors), formats, held)
 
     # --- tensors ----------------------------------------------------------------------------------
     def runtime_name(self, name: str) -> str | None:
@@ -314,7 +327,7 @@ class GGUFFile:
         Face's row order, a copy in memory) of each weight matrix stored in one of ``types``."""
         for t in self.reader.tensors:
             name = self.runtime_name(t.name)
-            if name is not None and len(t.shape) == 2 and t.tensor_type.name in types:
+            if name is not None and _is_blocks(t, types):
                 data = np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)
                 yield name, t.tensor_type.name, np.array(self._rows_permuted(t.name, data), copy=True, order="C")
 

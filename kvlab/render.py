@@ -50,12 +50,16 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(lt)
 
     t = _table("Memory")
+    held = "" if p.weights_held_by_kvlab else "linear layers in "  # its label names every tensor's format
     t.add_row("weights", fmt_bytes(p.weights_bytes),
               f"{fmt_count(p.num_params)} params ({fmt_count(p.active_params)} active per token), "
-              f"linear layers in {p.weights_dtype} ({p.weights_dtype_why})")
+              f"{held}{p.weights_dtype} ({p.weights_dtype_why})")
     if p.stored_weights_bytes is not None:
+        kept = (f"kvlab's engine runs {p.stored_weights_as_stored} as stored on the CPU, dequantises the rest "
+                f"(on a GPU, all) to the model's dtype" if p.stored_weights_as_stored
+                else "kvlab's engine dequantises them to the model's dtype as it loads")
         t.add_row("weights as stored in the file", fmt_bytes(p.stored_weights_bytes),
-                  f"{p.stored_weights_formats}; the runtime dequantises to 16-bit as it loads")
+                  f"{p.stored_weights_formats}; {kept}")
     t.add_row("logits, all prompt positions", fmt_bytes(p.logits_bytes_all_positions),
               f"{p.logits_bytes_all_positions / max(1, p.kv_bytes_per_sequence):.1f}x this sequence's KV")
     t.add_row("logits, last position only", fmt_bytes(p.logits_bytes_last_only), "what generation needs")
@@ -224,6 +228,9 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t = _table(f"kvlab bench: {r.model}, {r.num_requests} requests, {r.output_tokens:,} output tokens "
                f"in {r.seconds:,.1f} s")
     t.add_row("model dtype", r.dtype, r.dtype_why)
+    matrices = ", ".join(f"{n} {kind}" for kind, n in sorted(r.held_formats.items(), key=lambda kv: -kv[1]))
+    t.add_row("weights held", fmt_bytes(r.held_weight_bytes),
+              f"matrices {matrices}" + (f"; {r.weights}" if r.weights else "") + "; each decode step reads them")
     if r.linear_kernel:
         t.add_row("linear layers", "", r.linear_kernel)
     if r.deterministic:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from kvlab.dtypes import StorageDtype, kv_dtype
+from kvlab.dtypes import GGUF_AS_STORED, StorageDtype, kv_dtype
 
 LayerKind = Literal["full", "sliding", "chunked", "mla", "ssm", "none"]
 
@@ -95,10 +95,18 @@ class Matrix:
 
 @dataclass(frozen=True)
 class StoredWeights:
-    """What a checkpoint file holds on disk (a GGUF's quantised tensors): bytes and formats."""
+    """What a checkpoint file holds on disk (a GGUF's quantised tensors): bytes and formats; and
+    what kvlab's engine holds running the file on the CPU (``--weights auto``, fp32): its
+    matrices in ``GGUF_AS_STORED`` types as in the file, every other tensor dense in fp32."""
 
     bytes: int
     formats: dict[str, int] = field(compare=False)  # storage type (Q4_1, Q8_0, F32...) -> tensors
+    held_bytes: int  # the engine's: kvlab.models.weights.held_bytes of the file loaded on the CPU
+
+    @property
+    def as_stored(self) -> tuple[str, ...]:
+        """The file's types that kvlab's engine runs as stored, by name (``("Q4_1", "Q8_0")``)."""
+        return tuple(sorted(set(self.formats) & set(GGUF_AS_STORED)))
 
     def describe(self) -> str:
         return ", ".join(f"{n} {k}" for k, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))

@@ -6,16 +6,23 @@ import json
 
 import pytest
 
-from kvlab.bench import Workload, add_compute_bound, parse_range, run_engine, run_hf
+from kvlab import kernels
+from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, parse_range, run_engine, run_hf
 from kvlab.cli import main
 from kvlab.engine.options import EngineOptions
 from kvlab.dtypes import weight_dtype
+from kvlab.hardware import get_device
+from kvlab.models import load
+from kvlab.models.weights import held_bytes, held_formats
 from kvlab.plan import decode_flops, generation_flops, prefill_flops
 from kvlab.plan.memory import weights_split
 from kvlab.sampling import SamplingParams
 from kvlab.spec import spec_from_config
+from kvlab.units import fmt_bytes
 from tests.conftest import llama_like
 from tests.test_engine_parity import kv_bytes, reference, tiny_model
+from tests.test_gguf import Q, write_tiny_gguf
+from tests.test_models import make_checkpoint
 
 
 def test_workload_is_seeded_and_in_range():
@@ -93,6 +100,8 @@ def test_phases_of_one_request(model):
     assert result.decode_flops == pytest.approx(sum(decode_flops(spec, c) for c in contexts))
     weights = sum(weights_split(spec, weight_dtype("fp32")))
     assert weights == 4 * sum(p.numel() for p in model.parameters())  # fp32 weights, as loaded
+    assert result.held_weight_bytes == held_bytes(model) == weights  # a dense model: the same count
+    assert result.held_formats == held_formats(model) and set(result.held_formats) == {"float32"}
     kv = sum(c * spec.kv_bytes_per_token("fp32") for c in contexts)
     assert result.decode_bytes == 5 * weights + kv
     add_compute_bound(result, model)
@@ -101,6 +110,31 @@ def test_phases_of_one_request(model):
     assert result.decode_peak_fraction == pytest.approx(result.decode_flops / result.decode_seconds / peak)
     assert result.decode_bandwidth_fraction == pytest.approx(
         result.decode_bytes / result.decode_seconds / result.memory_bandwidth)
+
+
+def test_decode_reads_the_weights_as_held(tmp_path, capsys):
+    """A GGUF model held as stored: its decode steps and its batch-1 bound read the Q4_1 blocks'
+    bytes (held_bytes), not the dense fp32 load's, beside the same cache."""
+    folder = make_checkpoint(tmp_path / "hf", "llama")
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_1)
+    stored, dense = (load(tmp_path / "m.gguf", weights=w).model for w in ("as-stored", "dense"))
+    work = Workload(1, (20, 20), (6, 6), seed=3)
+    options = EngineOptions(kv_memory=kv_bytes(dense, 64, 4), block_size=4)
+    s, d = (run_engine(m, options, work)[0] for m in (stored, dense))
+    assert s.held_weight_bytes == held_bytes(stored) < d.held_weight_bytes / 3
+    assert d.held_weight_bytes == held_bytes(dense) == sum(weights_split(dense.spec, weight_dtype("fp32")))
+    assert s.held_formats == {"Q4_1": 16} and d.held_formats == {"float32": 16}  # 2 layers x 7, embedding, head
+    assert s.decode_bytes - 5 * s.held_weight_bytes == d.decode_bytes - 5 * d.held_weight_bytes > 0
+    cpu, spec = get_device("cpu"), stored.spec
+    read = s.held_weight_bytes + spec.kv_bytes_per_sequence(23, "fp32")
+    assert bandwidth_bound(stored, 23) == pytest.approx(1 / max(read / cpu.bandwidth,
+                                                                decode_flops(spec, 23) / cpu.flops))
+    # the text says what the engine held and why
+    argv = ["bench", str(tmp_path / "m.gguf"), "--weights", "as-stored", "--num-requests", "1",
+            "--input-len", "20", "--output-len", "6", "--seed", "3"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"weights held {fmt_bytes(s.held_weight_bytes)} matrices 16 Q4_1; Q4_1 as stored (as asked" in out
 
 
 def test_hf_runs_the_same_requests(model):
@@ -119,6 +153,10 @@ def test_cli_bench_json_on_the_bundled_model(capsys):
     # the default dtype, auto: the Q4_1 file's values exactly, fp32 on every CPU, and why
     assert r["dtype"] == "fp32" and r["dtype_why"].startswith("auto: Q4_1 weights, exact in fp32")
     assert r["matmul_peak_flops"] > 0
+    # the weights the engine holds, which each decode step reads: SmolLM2's blocks as stored
+    if kernels.status().available:
+        assert r["held_weight_bytes"] == 96_576_768 and r["held_formats"] == {"Q4_1": 210, "Q8_0": 1}
+        assert r["weights"] == "Q4_1, Q8_0 as stored (auto)"
     assert r["compute_bound_tokens_per_s"] == pytest.approx(
         r["output_tokens"] * r["matmul_peak_flops"] / r["work_flops"])
     assert r["prefill_flops"] + r["decode_flops"] == pytest.approx(r["work_flops"])

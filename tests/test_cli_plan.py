@@ -96,6 +96,7 @@ print(json.dumps({"code": code, "heavy": [m for m in ("torch", "numpy", "transfo
     (["plan", "deepseek-v3", "--gpus", "8", "--json"], []),
     (["plan", "qwen2.5-0.5b", "--engine", "vllm", "--max-model-len", "4096", "--kv-memory", "1GiB"], []),
     (["plan", "qwen2.5-0.5b", "--engine", "llama.cpp", "-c", "4096"], ["numpy"]),  # gguf's block sizes
+    (["plan", "smollm2-135m", "--json"], ["numpy"]),  # the file's header: its types and bytes
     (["models"], ["numpy"]),  # the installed GGUF files' headers (the gguf package)
     (["models", "--install", "smollm2-135m", "--dry-run"], []),
 ])
@@ -126,6 +127,22 @@ def test_deepseek_plan_reads_as_a_new_user_needs(capsys):
     assert "KV budget per GPU none" in out and "exceed the usable memory by 34.23 GB" in out
     assert "-34" not in out and "does not fit not even 1 token each" in out
     assert "vllm serve" not in out and "room for 0" in out
+
+
+def test_a_cpu_plan_of_a_gguf_reads_as_kvlabs_engine_runs_it(capsys):
+    """The default model on this CPU: the weights row is the engine's 96.6 MB as stored, the
+    file's row says what the engine does with its types, and decode reads those bytes."""
+    assert main(["plan", "smollm2-135m", "--gpu", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "weights 96.6 MB (92.1 MiB) 135 M params" in out
+    assert "as stored: Q4_1, Q8_0; the rest fp32 (kvlab's engine on this CPU, --weights auto)" in out
+    assert ("210 Q4_1, 61 F32, 1 Q8_0; kvlab's engine runs Q4_1, Q8_0 as stored on the CPU, dequantises "
+            "the rest (on a GPU, all) to the model's dtype") in out
+    assert "269.0 MB" not in out and "dequantises to 16-bit" not in out
+    assert main(["plan", "smollm2-135m", "--gpu", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weights_bytes"] == plan["weights_bytes_per_gpu"] == 96_576_768
+    assert plan["weights_held_by_kvlab"] and "held_bytes" in plan["sources"]["weights_bytes"]
 
 
 def test_max_model_len_drives_the_plan_and_one_vllm_line(capsys):

@@ -174,6 +174,27 @@ def test_weights_default_to_the_checkpoints_own_format():
     assert make_plan(load_spec("llama-3.1-8b")).weights_dtype == "bf16"
 
 
+def test_a_gguf_on_this_cpu_plans_the_bytes_kvlabs_engine_holds():
+    """SmolLM2's GGUF on --gpu cpu: the 96.6 MB kvlab's engine holds (Q4_1 and Q8_0 as stored,
+    F32 norms), not 269 MB of dense bf16, in the budget and in decode's bandwidth bound. With
+    --weights-dtype, or on a GPU (the stored-weights kernels are CPU-only), the dense figures."""
+    spec = load_spec("smollm2-135m")
+    bw = get_device("cpu").bandwidth
+    p = make_plan(spec, PlanRequest(context=4096, gpu="cpu"))
+    assert p.weights_held_by_kvlab and p.weights_bytes == spec.stored_weights.held_bytes == 96_576_768
+    assert p.weights_dtype == "as stored: Q4_1, Q8_0; the rest fp32" and "--weights auto" in p.weights_dtype_why
+    assert p.decode_weights_seconds == pytest.approx(96_576_768 / bw)
+    assert p.decode_step_seconds == pytest.approx(max((96_576_768 + p.kv_bytes_per_sequence) / bw,
+                                                      p.decode_compute_seconds))
+    dense = make_plan(spec, PlanRequest(context=4096, gpu="cpu", weights_dtype="bf16"))
+    assert not dense.weights_held_by_kvlab and dense.weights_dtype == "bf16"
+    assert dense.weights_bytes == sum(weights_split(spec, weight_dtype("bf16"))) == 269_030_016
+    assert p.kv_budget_bytes_per_gpu - dense.kv_budget_bytes_per_gpu == dense.weights_bytes - p.weights_bytes
+    gpu = make_plan(spec, PlanRequest(context=4096, gpu="h100-sxm"))
+    assert not gpu.weights_held_by_kvlab and (gpu.weights_dtype, gpu.weights_bytes) == ("bf16", dense.weights_bytes)
+    assert gpu.stored_weights_as_stored == "Q4_1, Q8_0"
+
+
 def test_an_unread_quantization_config_says_so():
     spec = spec_from_config(llama_like(quantization_config={"quant_method": "hqq", "bits": 3}))
     p = make_plan(spec)

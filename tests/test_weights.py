@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvlab import kernels
+from kvlab.catalog import load_spec
 from kvlab.cli import main
 from kvlab.engine.llm import LLM
 from kvlab.generate import generate
@@ -130,6 +131,22 @@ def test_a_tiny_gguf_runs_as_stored_with_the_dense_logits_and_tokens(tmp_path, q
         assert out[0].token_ids == got
 
 
+@pytest.mark.parametrize("family, arch, qtype", [("llama", "llama", Q.Q4_1), ("qwen2-tied", "qwen2", Q.Q4_0),
+                                                  ("qwen3", "qwen3", Q.F16)])
+def test_the_planners_held_bytes_are_the_loaded_models(tmp_path, family, arch, qtype):
+    """``StoredWeights.held_bytes`` (torch-free, from the file's header) is what the engine holds
+    on the CPU: Q4_1 layers (and their F32 biases), a tied Q4_0 embedding counted once, F16
+    matrices dequantised to fp32."""
+    folder = make_checkpoint(tmp_path / "hf", family, attention_bias=family == "llama")
+    write_tiny_gguf(folder, tmp_path / "m.gguf", arch, qtype)
+    stored = load_spec(str(tmp_path / "m.gguf")).stored_weights
+    loaded = load(tmp_path / "m.gguf", weights="auto" if NATIVE else "as-stored")
+    assert stored.as_stored == tuple(sorted(loaded.weights.formats))
+    assert stored.held_bytes == held_bytes(loaded.model)
+    # blocks and F32 tensors are held as in the file; F16 matrices take twice their bytes in fp32
+    assert stored.held_bytes > stored.bytes if qtype == Q.F16 else stored.held_bytes == stored.bytes
+
+
 def test_weights_choice_and_its_errors(tmp_path, capsys):
     folder = make_checkpoint(tmp_path / "hf", "llama")
     write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_1)
@@ -166,6 +183,8 @@ def test_the_default_model_as_stored_answers_as_dense_fp32(capsys):
     if NATIVE:
         assert stored.weights.formats == {"Q4_1", "Q8_0"}
         assert held_bytes(stored.model) < held_bytes(dense.model) / 5
+        # what `kvlab plan smollm2-135m --gpu cpu` counts from the file's header alone
+        assert held_bytes(stored.model) == load_spec("smollm2-135m").stored_weights.held_bytes == 96_576_768
     chat = stored.chat_template.encode(stored.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(temperature=0.0, max_tokens=24)
     a = generate(stored.model, chat, params, stored.tokenizer)

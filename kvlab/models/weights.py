@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlab import kernels
+from kvlab.dtypes import GGUF_AS_STORED
 from kvlab.models.invariant import pad_rows
 
 QK = 32  # weights per block
@@ -74,6 +75,8 @@ class BlockFormat:
 
 FORMATS = {f.name: f for f in (BlockFormat("Q8_0", 1, 34), BlockFormat("Q4_0", 2, 18),
                                BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 4, 22))}
+# the planner counts a GGUF file's bytes by kvlab.dtypes' torch-free list: it must be this one
+assert tuple(FORMATS) == GGUF_AS_STORED, f"kvlab.dtypes.GGUF_AS_STORED is not {tuple(FORMATS)}"
 
 
 def check_format(name: str) -> BlockFormat:

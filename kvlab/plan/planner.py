@@ -30,7 +30,7 @@ class PlanRequest:
     context: int = 8192
     users: int = 1
     kv_dtype: str = "bf16"
-    weights_dtype: str = "auto"  # auto: the checkpoint's quantization_config, else bf16
+    weights_dtype: str = "auto"  # auto: kvlab's engine's on this CPU, else quantization_config, else bf16
     gpu: str = "h100-sxm"
     gpus: int | None = None
     tp: int | None = None
@@ -45,6 +45,9 @@ class PlanRequest:
     vllm: vllm.VllmSettings | None = None  # predict vLLM's start-up line
     llamacpp: llamacpp.LlamaCppSettings | None = None  # predict llama-server's KV line
     model_file: str | None = None  # the file or folder planned, for the engines' command lines
+    # the bytes a loaded model holds (outside routed experts, routed experts), in place of those
+    # counted from the config: kvlab bench's bound for the model it ran (kvlab.models.weights.held_bytes)
+    held_weights: tuple[int, int] | None = None
 
     def validate(self, spec: ModelSpec) -> None:
         checks = [
@@ -94,9 +97,11 @@ class Plan:
     layer_breakdown: list[dict]
     # memory
     weights_bytes: int
-    weights_dtype_why: str  # --weights-dtype, the checkpoint's quantization_config, or the default
+    weights_dtype_why: str  # --weights-dtype, kvlab's engine, the checkpoint's quantization_config or the default
+    weights_held_by_kvlab: bool  # kvlab's engine's own bytes: a GGUF file's on this CPU, a loaded model's
     stored_weights_bytes: int | None  # what the checkpoint file holds (GGUF: quantised tensors)
     stored_weights_formats: str | None
+    stored_weights_as_stored: str | None  # the file's types kvlab's engine runs as stored ("Q4_1, Q8_0")
     num_params: int
     active_params: int
     logits_bytes_all_positions: int
@@ -163,7 +168,7 @@ def choose_parallelism(spec: ModelSpec, req: PlanRequest) -> tuple[list[int], in
     return tps, tp, gpus
 
 
-def choose_weights(spec: ModelSpec, req: PlanRequest) -> tuple[StorageDtype, str]:
+def weights_format(spec: ModelSpec, req: PlanRequest) -> tuple[StorageDtype, str]:
     """(the linear layers' format, why): --weights-dtype, else the checkpoint's own format as its
     quantization_config names it (DeepSeek-V3's fp8, gpt-oss's MXFP4 experts), else bf16."""
     if req.weights_dtype != "auto":
@@ -171,6 +176,43 @@ def choose_weights(spec: ModelSpec, req: PlanRequest) -> tuple[StorageDtype, str
     if spec.weights_format:
         return weight_dtype(spec.weights_format), "the checkpoint's quantization_config"
     return weight_dtype("bf16"), "the default: no quantization_config"
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The plan's weights: the serving stack's format, the bytes the plan counts, what it calls
+    them and why, and how they were counted."""
+
+    dtype: StorageDtype  # the linear layers' format in a serving stack (weights_format)
+    split: tuple[int, int]  # bytes outside routed experts, bytes of routed experts
+    name: str  # Plan.weights_dtype
+    why: str
+    source: str  # Plan.sources["weights_bytes"]
+    held: bool  # kvlab's engine's own bytes, not a count from the config
+
+
+def choose_weights(spec: ModelSpec, req: PlanRequest, device: Device) -> Weights:
+    """The weights in ``weights_format``, but where the plan is kvlab's engine's own: the bytes a
+    loaded model holds (``held_weights``), or a GGUF file's on this machine's CPU with
+    --weights-dtype auto, where the engine runs the file in fp32 and its GGUF_AS_STORED matrices
+    as stored (kvlab.models.loader.choose_weights). Those kernels are CPU-only: on a GPU, the
+    serving stack's format."""
+    wd, why = weights_format(spec, req)
+    if req.held_weights is not None:
+        return Weights(wd, req.held_weights, wd.name, "held by the loaded model",
+                       "the loaded model's parameters and stored blocks (kvlab.models.weights.held_bytes)", True)
+    stored = spec.stored_weights
+    if req.weights_dtype == "auto" and device.key == "cpu" and stored is not None:
+        kept = ", ".join(stored.as_stored)
+        blocks = f"{kept} matrices as in the file, every other tensor" if kept else "every tensor"
+        return Weights(wd, (stored.held_bytes, 0),  # no GGUF architecture kvlab reads has routed experts
+                       f"as stored: {kept}; the rest fp32" if kept else "fp32",
+                       "kvlab's engine on this CPU, --weights auto",
+                       f"the GGUF file's tensors as kvlab's engine holds them on this CPU "
+                       f"(kvlab.models.weights.held_bytes): {blocks} in fp32, 4 B per element", True)
+    return Weights(wd, weights_split(spec, wd), wd.name, why,
+                   f"parameters from config.json; linear layers in {wd.name} ({wd.layout}; {why}), "
+                   f"embeddings and norms in {'fp32' if wd.bits == 32 else '16-bit'}", False)
 
 
 def choose_device(req: PlanRequest) -> Device:
@@ -237,9 +279,9 @@ def engine_prediction(spec: ModelSpec, req: PlanRequest, device: Device, weights
 
 def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     req.validate(spec)
-    kvd, (wd, wd_why) = kv_dtype(req.kv_dtype), choose_weights(spec, req)
-    device = choose_device(req)
-    state_bytes = 4 if wd.bits == 32 else 2  # SSM state stays in the activation dtype
+    kvd, device = kv_dtype(req.kv_dtype), choose_device(req)
+    weights = choose_weights(spec, req, device)
+    state_bytes = 4 if weights.dtype.bits == 32 else 2  # SSM state stays in the activation dtype
     logit_bytes = 4 if kvd.bits == 32 else 2
     notes = list(spec.notes)
     T, B = req.context, req.users
@@ -263,7 +305,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     seq_ranks = replicas * (tp if req.dp_attention else 1)
 
     # 3. memory
-    w_dense, w_experts = weights_split(spec, wd)
+    w_dense, w_experts = weights.split
     w_bytes = w_dense + w_experts
     budget = budget_for(spec, device, req, w_bytes, tp, B, logit_bytes)
     max_seqs = budget.kv // per_seq_gpu * seq_ranks if per_seq_gpu and budget.kv > 0 else 0
@@ -318,13 +360,14 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     if max_seqs < B:
         notes.append(f"{plural(B, 'user')} of {T:,} tokens {'does' if B == 1 else 'do'} not fit on "
                      f"{gpus} x {device.name}: room for {max_seqs:,}")
-    predicted = engine_prediction(spec, req, device, w_bytes, tp)
+    # the peer engine holds its own weights, in the serving stack's format, not kvlab's
+    predicted = engine_prediction(spec, req, device, sum(weights_split(spec, weights.dtype)), tp)
     if predicted and req.vllm is not None and predicted[3]["available_is_estimate"]:
         notes.append(f"vLLM measures its KV memory at start-up; this line uses kvlab's estimate of "
                      f"{predicted[3]['available_bytes']:,} B (give --kv-memory for the exact line)")
 
     return Plan(
-        model=spec.name, context=T, users=B, kv_dtype=kvd.name, weights_dtype=wd.name,
+        model=spec.name, context=T, users=B, kv_dtype=kvd.name, weights_dtype=weights.name,
         gpu=device.key, tp=tp, gpus=gpus,
         kv_bytes_per_token=spec.kv_bytes_per_token(kvd), kv_bytes_per_sequence=per_seq,
         kv_bytes_total=per_seq * B, kv_bytes_per_gpu=per_seq_gpu,
@@ -333,9 +376,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         kv_fixed_bytes=spec.kv_fixed_bytes(kvd), kv_layout=kv_layout(spec, kvd),
         kv_split=kv_split(spec, tp, req.dp_attention),
         layer_breakdown=layer_breakdown(spec, T, kvd, state_bytes),
-        weights_bytes=w_bytes, weights_dtype_why=wd_why,
+        weights_bytes=w_bytes, weights_dtype_why=weights.why, weights_held_by_kvlab=weights.held,
         stored_weights_bytes=spec.stored_weights.bytes if spec.stored_weights else None,
         stored_weights_formats=spec.stored_weights.describe() if spec.stored_weights else None,
+        stored_weights_as_stored=", ".join(spec.stored_weights.as_stored) if spec.stored_weights else None,
         num_params=spec.num_params, active_params=spec.active_params,
         logits_bytes_all_positions=T * spec.vocab_size * logit_bytes,
         logits_bytes_last_only=budget.logits,
@@ -356,7 +400,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         prefill_flops=flops,
         crossover_batch=speed.crossover_batch(per_seq_gpu, weights_read),
         work_table=speed.work_table(spec, req.prompt, req.new_tokens),
-        vllm_flags=flags, notes=notes, sources=_sources(wd, wd_why, device),
+        vllm_flags=flags, notes=notes, sources=_sources(weights.source, device),
         kv_cache_blocks=cap.blocks if cap else None,
         kv_cache_tokens=cap.tokens if cap else None,
         max_concurrency=cap.max_concurrency if cap else None,
@@ -368,14 +412,12 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     )
 
 
-def _sources(wd: StorageDtype, wd_why: str, device: Device) -> dict[str, str]:
+def _sources(weights: str, device: Device) -> dict[str, str]:
     return {
         "kv_bytes_per_token": "sum over layers of K and V vectors per token x dtype bytes "
                               "(2 x kv_heads x head_dim x bytes for GQA; kv_lora_rank + rope dim for MLA)",
         "kv_bytes_per_sequence": "per layer: bytes/token x min(context, window) + fixed SSM state",
-        "weights_bytes": f"parameters from config.json; linear layers in {wd.name} ({wd.layout}; "
-                         f"{wd_why}), "
-                         f"embeddings and norms in {'fp32' if wd.bits == 32 else '16-bit'}",
+        "weights_bytes": weights,
         "logits": "positions x vocab_size x 2 B: all prompt positions vs the last one only",
         "activation_allowance": f"estimate: one {PREFILL_CHUNK}-token prefill chunk x "
                                 f"(4 x hidden + 2 x intermediate) x 2 B",
