@@ -168,7 +168,8 @@ def held_bytes(model: nn.Module) -> int:
 
 
 def held_formats(model: nn.Module) -> dict[str, int]:
-    """Matrices per format: ``{"Q4_1": 210, "Q8_0": 1, "fp32": 0...}`` (a tied head counted once)."""
+    """Matrices per format: ``{"Q4_1": 210, "Q8_0": 1}``, dense ones by torch dtype
+    (``"float32"``); a tied head counted once."""
     counts: dict[str, int] = {}
     seen: set[int] = set()
     for m in model.modules():
