@@ -18,8 +18,11 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
 - ``decoder_layer`` (``layer.c``): a whole Llama-form decoder layer by the kernels above in one
   call, bitwise the same as the layer's modules running them one by one.
 
-It needs an x86 CPU with AVX2 and FMA and a C compiler with OpenMP (``$CC``, ``cc`` or
-``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
+Their loops run on kvlab's own thread pool (``pool.c``, ``torch.get_num_threads()`` threads),
+whose caller never waits for a thread that is not running: a decode step keeps its pace beside
+other busy processes, where OpenMP's barriers stalled it (``benchmarks/stored_weights.py``).
+
+It needs an x86 CPU with AVX2 and FMA and a C compiler (``$CC``, ``cc`` or ``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
 ``KVLAB_KERNELS=off`` turns it off (to compare, or to rule it out; ``kvlab.dispatch`` reads every
 such switch). ``python -m kvlab.kernels`` builds it and says which paths run.
 """
@@ -47,11 +50,11 @@ from torch.profiler import record_function
 from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c", "pool.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h", "pool.h")]
 # -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
 # ops round each step as PyTorch's eager ops do)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
 MAX_ROWS = 64

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "pool.h"
 #include "simd.h"
 
 #define GMAX 3 /* query heads per pass over the values: 3 x 4 accumulators */
@@ -60,19 +61,34 @@ static inline __attribute__((always_inline)) float scores(const float *qg, const
     return mx;
 }
 
-int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
-                          const int64_t *slots, long L, const int64_t *seq, const int64_t *start,
-                          const int64_t *len, float *out, long R, long H, long KV, long D, long DV,
-                          float scale, int threads) {
-    const long G = H / KV;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (long task = 0; task < R * KV; task++) {
-        const long b = task / KV, kvh = task % KV, n = len[b];
+/* kvlab_paged_attention's arguments, for the pool's tasks: one per (row, KV head). */
+typedef struct {
+    const float *q;
+    const void *kc, *vc;
+    const int64_t *slots, *seq, *start, *len;
+    float *out;
+    long S, L, H, KV, D, DV;
+    float scale;
+    int bf16, failed;
+} attention_job;
+
+static void attend(void *arg, long t0, long t1) {
+    const attention_job *job = arg;
+    const float *q = job->q;
+    const void *kc = job->kc, *vc = job->vc;
+    float *out = job->out;
+    const long S = job->S, L = job->L, H = job->H, KV = job->KV, D = job->D, DV = job->DV, G = H / KV;
+    const float scale = job->scale;
+    const int bf16 = job->bf16;
+    for (long task = t0; task < t1; task++) {
+        const long b = task / KV, kvh = task % KV, n = job->len[b];
         const long padded = (n + 7) / 8 * 8;
-        const int64_t *sl = slots + seq[b] * L + start[b];
+        const int64_t *sl = job->slots + job->seq[b] * L + job->start[b];
         float *p = malloc(sizeof(float) * G * padded);
-        if (!p) { failed = 1; continue; }
+        if (!p) {
+            __atomic_store_n(&((attention_job *)arg)->failed, 1, __ATOMIC_RELAXED);
+            continue;
+        }
         /* scores, and each head's max */
         float mx[64];
         for (long g = 0; g < G; g++) {
@@ -119,5 +135,13 @@ int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf
         }
         free(p);
     }
-    return failed;
+}
+
+int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
+                          const int64_t *slots, long L, const int64_t *seq, const int64_t *start,
+                          const int64_t *len, float *out, long R, long H, long KV, long D, long DV,
+                          float scale, int threads) {
+    attention_job job = {q, kc, vc, slots, seq, start, len, out, S, L, H, KV, D, DV, scale, bf16, 0};
+    kvlab_parallel(R * KV, 1, threads, attend, &job); /* one task each: their lengths differ */
+    return job.failed;
 }

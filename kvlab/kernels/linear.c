@@ -20,6 +20,7 @@
  * count, so every row is bitwise the same whatever runs beside it (deterministic mode).
  */
 #include "blocks.h"
+#include "pool.h"
 
 #define NB_MAX 8 /* output rows (weight rows) per tile: 8 for one input row, else 4 */
 #define MB 3     /* input rows per tile: MB * 4 accumulators + 4 weights + 1 input in 16 registers */
@@ -156,55 +157,76 @@ qtiles512(const float *x, const kvlab_part *part, long n0, int nb, long block, l
     }
 }
 
-/* y_p = x w_p^T (+ b_p) for each part p sharing the input x: every part's weight tiles in one
- * parallel loop, so the decoder layer's q/k/v (and gate/up) cost one OpenMP region, not three. */
-static inline __attribute__((always_inline)) void linear(const void *x, const kvlab_part *parts,
-                                                         int np, long M, long K, int threads,
-                                                         const int bf16, const int ybf16) {
-    const int nb = M == 1 ? 8 : 4; /* one row: more weight rows in flight per pass over x */
-    long first[KVLAB_MAX_PARTS + 1] = {0}; /* each part's first tile in the joint numbering */
-    for (int p = 0; p < np; p++) first[p + 1] = first[p] + (parts[p].N + nb - 1) / nb;
-    const long tiles = first[np];
-    /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
-    for (long block = 0; block < M; block += MBLOCK) {
-        const long end = M - block < MBLOCK ? M : block + MBLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (long t = 0; t < tiles; t++) {
-            int p = 0;
-            while (t >= first[p + 1]) p++;
-            if (!bf16 && parts[p].fmt != DENSE) { /* the format, a constant inside each call */
-                const long q0 = (t - first[p]) * nb;
-                if (use512) {
-                    qtiles512(x, &parts[p], q0, nb, block, end, M, K);
-                    continue;
-                }
-                switch (parts[p].fmt) {
-                case Q8_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q8_0); break;
-                case Q4_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_0); break;
-                case Q4_1: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_1); break;
-                default: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q5_0); break;
-                }
+/* One call's arguments, for the pool's chunks of its weight tiles (pool.h). */
+typedef struct {
+    const void *x;
+    const kvlab_part *parts;
+    long first[KVLAB_MAX_PARTS + 1]; /* each part's first tile in the joint numbering */
+    long M, K, block, end;           /* input rows block..end-1 of M pass over the tiles */
+    int nb;                          /* weight rows per tile */
+} linear_job;
+
+/* Weight tiles [t0, t1) of the parts against input rows block..end-1. */
+static inline __attribute__((always_inline)) void linear_tiles(const linear_job *job, long t0, long t1,
+                                                               const int bf16, const int ybf16) {
+    const void *x = job->x;
+    const kvlab_part *parts = job->parts;
+    const long M = job->M, K = job->K, block = job->block, end = job->end;
+    const int nb = job->nb;
+    for (long t = t0; t < t1; t++) {
+        int p = 0;
+        while (t >= job->first[p + 1]) p++;
+        if (!bf16 && parts[p].fmt != DENSE) { /* the format, a constant inside each call */
+            const long q0 = (t - job->first[p]) * nb;
+            if (use512) {
+                qtiles512(x, &parts[p], q0, nb, block, end, M, K);
                 continue;
             }
-            const void *w = parts[p].w, *b = parts[p].b;
-            void *y = parts[p].y;
-            const long N = parts[p].N, n0 = (t - first[p]) * nb, nn = N - n0 < nb ? N - n0 : nb;
-            long m0 = block;
-            if (M == 1) {
-                tile(x, w, b, y, 0, 1, n0, 8, nn, N, K, bf16, ybf16);
-                continue;
+            switch (parts[p].fmt) {
+            case Q8_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q8_0); break;
+            case Q4_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_0); break;
+            case Q4_1: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_1); break;
+            default: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q5_0); break;
             }
-            for (; m0 + MB <= end; m0 += MB) tile(x, w, b, y, m0, MB, n0, 4, nn, N, K, bf16, ybf16);
-            if (end - m0 == 2) tile(x, w, b, y, m0, 2, n0, 4, nn, N, K, bf16, ybf16);
-            else if (end - m0 == 1) tile(x, w, b, y, m0, 1, n0, 4, nn, N, K, bf16, ybf16);
+            continue;
         }
+        const void *w = parts[p].w, *b = parts[p].b;
+        void *y = parts[p].y;
+        const long N = parts[p].N, n0 = (t - job->first[p]) * nb, nn = N - n0 < nb ? N - n0 : nb;
+        long m0 = block;
+        if (M == 1) {
+            tile(x, w, b, y, 0, 1, n0, 8, nn, N, K, bf16, ybf16);
+            continue;
+        }
+        for (; m0 + MB <= end; m0 += MB) tile(x, w, b, y, m0, MB, n0, 4, nn, N, K, bf16, ybf16);
+        if (end - m0 == 2) tile(x, w, b, y, m0, 2, n0, 4, nn, N, K, bf16, ybf16);
+        else if (end - m0 == 1) tile(x, w, b, y, m0, 1, n0, 4, nn, N, K, bf16, ybf16);
+    }
+}
+
+/* The three dtype pairs as pool tasks: fp32, bf16, and bf16 in with fp32 out (the LM head). */
+static void tiles_f32(void *job, long t0, long t1) { linear_tiles(job, t0, t1, 0, 0); }
+static void tiles_bf16(void *job, long t0, long t1) { linear_tiles(job, t0, t1, 1, 1); }
+static void tiles_bf16_f32(void *job, long t0, long t1) { linear_tiles(job, t0, t1, 1, 0); }
+
+/* y_p = x w_p^T (+ b_p) for each part p sharing the input x: every part's weight tiles in one
+ * parallel loop, so the decoder layer's q/k/v (and gate/up) cost one loop, not three. */
+static void linear(const void *x, const kvlab_part *parts, int np, long M, long K, int threads, int bf16,
+                   int ybf16) {
+    linear_job job = {.x = x, .parts = parts, .M = M, .K = K, .nb = M == 1 ? 8 : 4};
+    /* one row: more weight rows in flight per pass over x */
+    for (int p = 0; p < np; p++) job.first[p + 1] = job.first[p] + (parts[p].N + job.nb - 1) / job.nb;
+    const kvlab_task task = !bf16 ? tiles_f32 : ybf16 ? tiles_bf16 : tiles_bf16_f32;
+    /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
+    for (job.block = 0; job.block < M; job.block += MBLOCK) {
+        job.end = M - job.block < MBLOCK ? M : job.block + MBLOCK;
+        kvlab_parallel(job.first[np], 0, threads, task, &job);
     }
 }
 
 void kvlab_linear_parts(const void *x, const kvlab_part *parts, int np, long M, long K, int threads,
                         int bf16) {
-    if (bf16) linear(x, parts, np, M, K, threads, 1, 1);
-    else linear(x, parts, np, M, K, threads, 0, 0);
+    linear(x, parts, np, M, K, threads, bf16, bf16);
 }
 
 void kvlab_linear_f32(const float *x, const float *w, const float *b, float *y, long M, long N,
@@ -233,20 +255,31 @@ void kvlab_linear_q(const float *x, const uint8_t *w, const float *b, float *y, 
     linear(x, &part, 1, M, K, threads, 0, 0);
 }
 
+typedef struct {
+    const uint8_t *w;
+    float *out;
+    int fmt;
+} dequantize_job;
+
+static void dequantize_blocks(void *arg, long i0, long i1) {
+    const dequantize_job *job = arg;
+    const long bb = BLOCK_BYTES[job->fmt];
+    for (long i = i0; i < i1; i++) {
+        __m256 v[4];
+        switch (job->fmt) {
+        case Q8_0: qblock8(job->w + i * bb, Q8_0, v); break;
+        case Q4_0: qblock8(job->w + i * bb, Q4_0, v); break;
+        case Q4_1: qblock8(job->w + i * bb, Q4_1, v); break;
+        default: qblock8(job->w + i * bb, Q5_0, v); break;
+        }
+        for (int g = 0; g < 4; g++) _mm256_storeu_ps(job->out + i * QK + 8 * g, v[g]);
+    }
+}
+
 /* The fp32 values of rows [rows, K / 32 blocks] in block format fmt: exactly gguf.quants'. */
 void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, int threads) {
-    const long bb = BLOCK_BYTES[fmt], blocks = rows * (K / QK);
-#pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 2048)
-    for (long i = 0; i < blocks; i++) {
-        __m256 v[4];
-        switch (fmt) {
-        case Q8_0: qblock8(w + i * bb, Q8_0, v); break;
-        case Q4_0: qblock8(w + i * bb, Q4_0, v); break;
-        case Q4_1: qblock8(w + i * bb, Q4_1, v); break;
-        default: qblock8(w + i * bb, Q5_0, v); break;
-        }
-        for (int g = 0; g < 4; g++) _mm256_storeu_ps(out + i * QK + 8 * g, v[g]);
-    }
+    dequantize_job job = {w, out, fmt};
+    kvlab_parallel(rows * (K / QK), 2048, threads, dequantize_blocks, &job);
 }
 
 /* Take the AVX-512 loops if asked and this CPU (and its OS) has AVX-512 F and DQ; returns

@@ -14,9 +14,14 @@
  */
 #include <math.h>
 
+#include "pool.h"
 #include "simd.h"
 
 /* A value of a row as fp32 (bf16 widened exactly). */
+/* kvlab_parallel's grain for n items of `width` values each: even chunks from 64K values on,
+ * below that one chunk (serial: handing it to another thread costs more than the pass). */
+#define GRAIN(n, width) ((n) * (width) >= 1L << 16 ? 0 : (n))
+
 static inline float get(const void *base, long i, int bf16) { return load1(base, i, bf16); }
 
 /* f rounded to the dtype, as a tensor of that dtype would hold it. */
@@ -29,10 +34,21 @@ static inline float round_to(float f, int bf16) {
 
 /* y = w * (h / sqrt(mean(h^2) + eps)) per row, h = x + a (a may be NULL; h is written to h_out
  * when given). x, a, h_out, y [M, D] contiguous; w [D]. */
-void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, void *y, long M,
-                    long D, float eps, int bf16, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (M * D >= 1 << 16)
-    for (long m = 0; m < M; m++) {
+typedef struct {
+    const void *x, *a, *w;
+    void *h_out, *y;
+    long D;
+    float eps;
+    int bf16;
+} rms_norm_job;
+
+static void rms_norm_rows(void *arg, long m0, long m1) {
+    const rms_norm_job *job = arg;
+    const void *x = job->x, *a = job->a, *w = job->w;
+    void *h_out = job->h_out, *y = job->y;
+    const long D = job->D;
+    const int bf16 = job->bf16;
+    for (long m = m0; m < m1; m++) {
         const long off = m * D;
         const void *h = row_at(x, m, D, bf16);
         if (a) {
@@ -48,20 +64,35 @@ void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, vo
         }
         float s = hsum(acc);
         for (; i < D; i++) s += get(h, i, bf16) * get(h, i, bf16);
-        const float r = 1.0f / sqrtf(s / (float)D + eps);
+        const float r = 1.0f / sqrtf(s / (float)D + job->eps);
         for (i = 0; i < D; i++)
             store1(y, off + i, get(w, i, bf16) * round_to(get(h, i, bf16) * r, bf16), bf16);
     }
 }
 
+void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, void *y, long M,
+                    long D, float eps, int bf16, int threads) {
+    rms_norm_job job = {x, a, w, h_out, y, D, eps, bf16};
+    kvlab_parallel(M, GRAIN(M, D), threads, rms_norm_rows, &job);
+}
+
 /* Rotate-half RoPE in place on T tokens x H heads of D values: element (t, h, i) lies at
  * x[t * stride + h * D + i]; cos, sin [T, D] contiguous. out = x * cos + rotate_half(x) * sin,
  * rotate_half(x) = (-x[D/2:], x[:D/2]). */
-void kvlab_rope(void *x, long T, long H, long D, long stride, const void *cos, const void *sin,
-                int bf16, int threads) {
-    const long half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * H * D >= 1 << 16)
-    for (long t = 0; t < T; t++) {
+typedef struct {
+    void *x;
+    const void *cos, *sin;
+    long H, D, stride;
+    int bf16;
+} rope_job;
+
+static void rope_rows(void *arg, long t0, long t1) {
+    const rope_job *job = arg;
+    void *x = job->x;
+    const void *cos = job->cos, *sin = job->sin;
+    const long H = job->H, D = job->D, stride = job->stride, half = D / 2;
+    const int bf16 = job->bf16;
+    for (long t = t0; t < t1; t++) {
         for (long h = 0; h < H; h++) {
             const long base = t * stride + h * D;
             for (long i = 0; i < half; i++) {
@@ -75,6 +106,12 @@ void kvlab_rope(void *x, long T, long H, long D, long stride, const void *cos, c
             }
         }
     }
+}
+
+void kvlab_rope(void *x, long T, long H, long D, long stride, const void *cos, const void *sin,
+                int bf16, int threads) {
+    rope_job job = {x, cos, sin, H, D, stride, bf16};
+    kvlab_parallel(T, GRAIN(T, H * D), threads, rope_rows, &job);
 }
 
 /* Token t's heads of k [T, KV, D] (row t at k + t * k_stride) and v [T, KV, DV] go to slot
@@ -102,9 +139,21 @@ void kvlab_store_kv(const void *k, const void *v, long k_stride, long v_stride, 
  * exp is simd.h's exp256), rounded to the dtype, then the product rounded. Every value goes
  * through the same 8-lane code (the last few padded), so its result never depends on where it
  * lies in the batch. */
-void kvlab_silu_mul(void *gate, const void *up, long n, int bf16, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 1 << 16)
-    for (long i = 0; i < n; i += 8) {
+typedef struct {
+    void *gate;
+    const void *up;
+    long n;
+    int bf16;
+} silu_job;
+
+/* Groups [i0, i1) of 8 values. */
+static void silu_groups(void *arg, long i0, long i1) {
+    const silu_job *job = arg;
+    void *gate = job->gate;
+    const void *up = job->up;
+    const long n = job->n;
+    const int bf16 = job->bf16;
+    for (long i = i0 * 8; i < n && i < i1 * 8; i += 8) {
         const long w = n - i < 8 ? n - i : 8;
         if (!bf16 && w == 8) { /* the same ops on registers, without the scalar staging below */
             const __m256 x = _mm256_loadu_ps((const float *)gate + i);
@@ -120,4 +169,9 @@ void kvlab_silu_mul(void *gate, const void *up, long n, int bf16, int threads) {
         _mm256_storeu_ps(s, _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
         for (long j = 0; j < w; j++) store1(gate, i + j, round_to(s[j], bf16) * u[j], bf16);
     }
+}
+
+void kvlab_silu_mul(void *gate, const void *up, long n, int bf16, int threads) {
+    silu_job job = {gate, up, n, bf16};
+    kvlab_parallel((n + 7) / 8, GRAIN((n + 7) / 8, 8), threads, silu_groups, &job);
 }
