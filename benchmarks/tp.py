@@ -4,8 +4,8 @@ step's time goes (the all-reduces against the rest). The figures in docs/benchma
     .venv/bin/python benchmarks/tp.py memory                 # per-rank weights and KV cache
     .venv/bin/python benchmarks/tp.py allreduce --tp 2       # gloo all-reduce of one layer's output
 
-Memory is counted from the tensors each rank holds (weights: its parameters; cache: its block
-tensors), beside ``kvlab plan --tp N``'s kv_bytes_per_gpu for a context of as many tokens as the
+Memory is counted from the tensors each rank holds (weights: its parameters and stored GGUF
+blocks; cache: its block tensors), beside ``kvlab plan --tp N``'s kv_bytes_per_gpu for a context of as many tokens as the
 pool. Speed comes from ``kvlab bench --tp N`` (see the docs for the command lines).
 """
 

@@ -7,11 +7,14 @@ recompute and swap, an fp8 cache), including a model whose KV heads are fewer th
 gets the planner's message; a worker that is killed or hangs ends the run with a clear error and
 leaves no process behind. Under torchrun, the ranks give the tp=1 tokens, --tp must be the
 number of processes, and a rank that dies ends rank 0's server with the reason. fp32 tiny models: the ranks' partial sums differ from one matmul by
-rounding only, far below the gaps between these models' top logits.
+rounding only, far below the gaps between these models' top logits. A GGUF model run as stored
+keeps its blocks on every rank (a split off a block edge: that layer dense), with the tp=1 tokens,
+log-probabilities within 1e-4, and about 1/N of the layers' blocks per rank.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -22,13 +25,20 @@ import time
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from kvlab.cli import main
 from kvlab.engine.executor import TPExecutor, WorkerError
 from kvlab.engine.llm import LLM
+from kvlab.models import load
+from kvlab.models.llama import CausalLM
+from kvlab.models.parallel import RowParallelLinear, RowParallelQuantLinear, shard_model
+from kvlab.models.weights import QuantLinear, held_bytes
 from kvlab.plan import PlanRequest, make_plan
 from kvlab.sampling import SamplingParams
 from tests.test_engine_parity import prompts, tiny_model
+from tests.test_gguf import write_tiny_gguf
+from tests.test_models import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
@@ -180,6 +190,110 @@ def test_server_with_tp_survives_a_client_disconnect(tmp_path):
     finally:
         live.stop()
         live.bridge.engine.close()
+
+
+# --- weights as stored -----------------------------------------------------------------------------
+
+def _stored_tiny(tmp_path, qtype) -> CausalLM:
+    """The tiny Llama (head_dim 16, FFN 128, biases) as a GGUF of `qtype`, held as stored: at tp=2
+    every split falls on a block edge (o_proj: 32 columns a rank, down_proj: 64), at tp=4 o_proj's
+    (16 columns) does not."""
+    folder = make_checkpoint(tmp_path / "hf", "llama", attention_bias=True)
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", qtype)
+    return load(tmp_path / "m.gguf", weights="as-stored").model
+
+
+def _blocks_bytes(module: torch.nn.Module) -> int:
+    return sum(m.blocks.nbytes for m in module.modules() if isinstance(m, QuantLinear))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+def test_ranks_hold_their_share_of_the_stored_blocks(tmp_path, qtype):
+    """Sharded in this process (no forward, so no process group): at tp=2 every layer of every
+    rank stays a QuantLinear and each holds half of the decoder layers' blocks; the embedding is
+    whole on each, the head (untied here) on rank 0 only. At tp=4 o_proj, split at 16 columns,
+    is dense fp32 on every rank and nothing else is."""
+    whole = _stored_tiny(tmp_path, qtype)
+    layers = _blocks_bytes(whole.model.layers)
+    replicated = sum(t.nbytes for layer in whole.model.layers for t in (  # whole on every rank
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.o_proj.bias,
+        layer.mlp.down_proj.bias) if t is not None)
+    for rank in (0, 1):
+        shard = shard_model(copy.deepcopy(whole), rank, 2)
+        for layer in shard.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                       mlp.down_proj)
+            assert all(isinstance(m, QuantLinear) for m in linears)
+            assert isinstance(attn.o_proj, RowParallelQuantLinear) and attn.o_proj.in_features == 32
+            assert attn.o_proj.reduced_bias is not None and attn.o_proj.bias is None  # added once
+        assert _blocks_bytes(shard.model.layers) * 2 == layers
+        assert shard.model.embed_tokens.blocks.equal(whole.model.embed_tokens.blocks)
+        assert isinstance(shard.lm_head, QuantLinear) == (rank == 0)
+        # held_bytes: half of the layers' bytes but the replicated norms and biases, beside the
+        # embedding, the final norm and, on rank 0, the head
+        assert held_bytes(shard.model.layers) * 2 == held_bytes(whole.model.layers) + replicated
+        head = held_bytes(whole.lm_head) if rank == 0 else 0
+        assert held_bytes(shard) == (held_bytes(shard.model.layers) + held_bytes(whole.model.embed_tokens)
+                                     + held_bytes(whole.model.norm) + head)
+    for rank in range(4):
+        shard = shard_model(copy.deepcopy(whole), rank, 4)
+        for layer in shard.model.layers:
+            assert type(layer.self_attn.o_proj) is RowParallelLinear  # the fallback, this layer alone
+            assert layer.self_attn.o_proj.weight.dtype == torch.float32
+            assert isinstance(layer.mlp.down_proj, RowParallelQuantLinear)
+            assert isinstance(layer.self_attn.q_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_stored_blocks_give_the_tp1_tokens_and_logprobs(tmp_path, tp):
+    """Q4_1 as stored over 2 ranks (every layer in blocks) and 4 (o_proj dense): the tp=1 greedy
+    tokens, and log-probabilities within 1e-4 (the row-parallel partial sums are added in
+    another order than one matmul's, so not bitwise); each worker reports the bytes of its
+    shard's blocks."""
+    model = _stored_tiny(tmp_path, Q.Q4_1)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    batch = [[5, 6, 7, 8, 9], list(range(20, 50))]
+    shards = [held_bytes(shard_model(copy.deepcopy(model), rank, tp)) for rank in range(tp)]  # before it runs
+    one = LLM(model)
+    ref = one.generate(batch, params)
+    llm = LLM(tmp_path / "m.gguf", weights="as-stored", tp=tp)  # the path: the workers' shards of its load
+    try:
+        out = llm.generate(batch, params)
+        assert llm.engine.executor.rank_weight_bytes == shards
+    finally:
+        llm.close()
+        one.close()
+    for a, b in zip(out, ref):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == 10
+        got = torch.tensor([[p for _, p in t.top] for t in a.logprobs])
+        want = torch.tensor([[p for _, p in t.top] for t in b.logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]
+
+
+def test_the_default_model_as_stored_over_3_ranks():
+    """SmolLM2's Q4_1 layers and tied Q8_0 embedding/head, as stored on 3 ranks (every split a
+    block edge): the tp=1 tokens of the README's question, each rank a third of the layers."""
+    loaded = load(None, weights="as-stored")
+    model = loaded.model
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = loaded.chat_template.encode(loaded.tokenizer, question)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    one = LLM(model)
+    ref = one.generate([chat], params)[0].token_ids
+    one.close()
+    llm = LLM(model, tp=3)
+    try:
+        assert llm.generate([chat], params)[0].token_ids == ref
+        weights = llm.engine.executor.rank_weight_bytes
+    finally:
+        llm.close()
+    embedding = held_bytes(model.model.embed_tokens)  # replicated; rank 0's tied head reads it
+    layers = held_bytes(model.model.layers)
+    for held in weights:  # the rest of a rank (its norms replicated): a third of the layers
+        assert abs((held - embedding) * 3 - layers) < 0.01 * layers
+    assert "Paris" in loaded.tokenizer.decode(ref)
 
 
 # --- torchrun --------------------------------------------------------------------------------------

@@ -191,16 +191,3 @@ def test_the_default_model_as_stored_answers_as_dense_fp32(capsys):
     assert a.token_ids == generate(dense.model, chat, params, dense.tokenizer).token_ids
     assert "Paris" in a.text
 
-
-def test_tensor_parallel_ranks_run_the_stored_model_densified(tmp_path):
-    """--tp shards dense fp32 layers of the stored values: the tokens of the tp=1 stored run."""
-    folder = make_checkpoint(tmp_path / "hf", "llama")
-    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q8_0)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], list(range(20, 50))]
-    ref = [o.token_ids for o in LLM(tmp_path / "m.gguf").generate(prompts, params)]
-    llm = LLM(tmp_path / "m.gguf", tp=2)
-    try:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
-    finally:
-        llm.close()

@@ -11,6 +11,13 @@ The embedding is replicated (every rank embeds the step's tokens itself: no all-
 LM head lives on rank 0 alone, which returns the logits the driver samples from; the other ranks
 skip it. Attention itself is untouched: a rank attends over its own heads and its own cache.
 
+Stored GGUF blocks (``QuantLinear``, ``QuantEmbedding``) stay stored on every rank: a
+column-parallel layer keeps its rows' blocks (a row is whole blocks), a row-parallel one the
+blocks of its columns, where its split falls on a block edge (a multiple of 32 inputs); where it
+does not, that layer alone is dequantised to dense fp32 on that rank. The replicated embedding and
+rank 0's LM head (tied: the embedding's blocks) stay as stored too, so a rank holds about its N-th
+of the packed layers plus the embedding (``held_bytes``).
+
 The model is sharded in place from a whole one (``shard_model``); module names stay Hugging
 Face's, so the model code runs unchanged on a shard.
 """
@@ -22,32 +29,52 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from kvlab.models.llama import CausalLM, Linear
-from kvlab.models.weights import QuantEmbedding, QuantLinear, held_bytes
+from kvlab.models.weights import QK, BlockFormat, QuantLinear, held_bytes
 from kvlab.spec import rank_kv_heads
 
 
-class RowParallelLinear(Linear):
-    """A linear layer that holds some input columns: all-reduce sums the ranks' partial
-    products, then the bias (kept whole on every rank) is added once."""
+class RowParallel:
+    """What a layer holding some input columns adds to its own product (mixed in before
+    ``Linear`` or ``QuantLinear``): all-reduce sums the ranks' partial products, then the bias,
+    kept whole on every rank out of the layer's own product, is added once."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup | None) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        self.weight = nn.Parameter(weight, requires_grad=False)
+    reduced_bias: nn.Parameter | None
+    group: dist.ProcessGroup | None
+
+    def _reduce_with(self, bias: Tensor | None, group: dist.ProcessGroup | None) -> None:
         self.reduced_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        y = super().forward(x)
+        y = super().forward(x)  # type: ignore[misc]
         dist.all_reduce(y, group=self.group)
         return y if self.reduced_bias is None else y + self.reduced_bias
+
+
+class RowParallelLinear(RowParallel, Linear):
+    """A dense row-parallel layer: ``weight`` [out, its inputs]."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup | None) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self._reduce_with(bias, group)
+
+
+class RowParallelQuantLinear(RowParallel, QuantLinear):
+    """A row-parallel layer kept in blocks: ``blocks`` [out, its inputs / 32 x block bytes]."""
+
+    def __init__(self, fmt: BlockFormat, blocks: Tensor, in_features: int, bias: Tensor | None,
+                 group: dist.ProcessGroup | None) -> None:
+        super().__init__(fmt, blocks, in_features)
+        self._reduce_with(bias, group)
 
 
 class NoHead(Linear):
     """The LM head of a rank other than 0: no weight, no logits (the driver samples rank 0's)."""
 
-    def __init__(self, like: Linear) -> None:
-        super().__init__(like.in_features, 0, bias=False, device="meta")
-        self.weight = nn.Parameter(like.weight.new_empty(0, like.in_features), requires_grad=False)
+    def __init__(self, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__(in_features, 0, bias=False, device="meta")
+        self.weight = nn.Parameter(torch.empty(0, in_features, dtype=dtype), requires_grad=False)
 
     def reset_parameters(self) -> None:
         pass  # nothing to initialise
@@ -59,38 +86,32 @@ class NoHead(Linear):
         return x[:, :0]
 
 
-def _rows(linear: Linear, start: int, end: int) -> None:
-    """Keep output rows [start, end) of a linear layer (column parallelism)."""
+def _rows(linear: Linear | QuantLinear, start: int, end: int) -> None:
+    """Keep output rows [start, end) of a linear layer (column parallelism); a stored one keeps
+    those rows' blocks (each row is whole blocks)."""
     with torch.no_grad():
-        linear.weight = nn.Parameter(linear.weight[start:end].clone(), requires_grad=False)
+        if isinstance(linear, QuantLinear):
+            linear.blocks = linear.blocks[start:end].clone()
+        else:
+            linear.weight = nn.Parameter(linear.weight[start:end].clone(), requires_grad=False)
         if linear.bias is not None:
             linear.bias = nn.Parameter(linear.bias[start:end].clone(), requires_grad=False)
     linear.out_features = end - start
 
 
-def _columns(linear: Linear, start: int, end: int, group: dist.ProcessGroup | None) -> RowParallelLinear:
-    """Input columns [start, end) of a linear layer, as a row-parallel layer."""
+def _columns(linear: Linear | QuantLinear, start: int, end: int,
+             group: dist.ProcessGroup | None) -> RowParallelLinear | RowParallelQuantLinear:
+    """Input columns [start, end) of a linear layer, as a row-parallel layer. A stored layer keeps
+    the blocks of those columns if start and end are block edges (multiples of 32); else a block
+    would straddle two ranks, so this layer is dequantised and its slice held as dense fp32."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
+    if isinstance(linear, QuantLinear):
+        fmt = linear.format
+        if start % QK == 0 and end % QK == 0:
+            blocks = linear.blocks[:, fmt.row_bytes(start):fmt.row_bytes(end)].clone()
+            return RowParallelQuantLinear(fmt, blocks, end - start, bias, group)
+        return RowParallelLinear(linear.dense()[:, start:end].clone(), bias, group)
     return RowParallelLinear(linear.weight.detach()[:, start:end].clone(), bias, group)
-
-
-def _densify(model: CausalLM) -> None:
-    """Stored GGUF blocks become dense fp32 layers of the same values before sharding (the ranks
-    do not shard blocks yet: a tensor-parallel run holds fp32 weights)."""
-    for name, m in list(model.named_modules()):
-        if not isinstance(m, (QuantLinear, QuantEmbedding)):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        if isinstance(m, QuantEmbedding):
-            ids = torch.arange(m.num_embeddings)
-            dense: nn.Module = nn.Embedding(m.num_embeddings, m.embedding_dim, _weight=m(ids))
-        else:
-            dense = Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-            dense.weight = nn.Parameter(m.dense(), requires_grad=False)
-            if m.bias is not None:
-                dense.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
-        setattr(model.get_submodule(parent_name), child, dense)
-    model.tie_weights()
 
 
 def first_kv_head(num_heads: int, kv_heads: int, rank: int, tp: int) -> int:
@@ -103,7 +124,6 @@ def shard_model(model: CausalLM, rank: int, tp: int, group: dist.ProcessGroup | 
     """Keep rank `rank`'s part of `model` (in place; returns it). `tp` must be one of the model's
     valid sizes (``kvlab.plan.parallel.check_tp``: it divides the heads and the FFN width)."""
     model.unpack()  # packed copies of whole weights would outlive the shard
-    _densify(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         h, kvh, d = attn.num_heads, attn.kv_heads, attn.head_dim
@@ -119,11 +139,12 @@ def shard_model(model: CausalLM, rank: int, tp: int, group: dist.ProcessGroup | 
         _rows(mlp.up_proj, rank * inter, (rank + 1) * inter)
         mlp.down_proj = _columns(mlp.down_proj, rank * inter, (rank + 1) * inter, group)
     if rank != 0:
-        model.lm_head = NoHead(model.lm_head)  # a tied head's weight stays: it is the embedding
+        # a tied head's weight stays: it is the embedding (its blocks, if stored)
+        model.lm_head = NoHead(model.lm_head.in_features, model.dtype)
     return model
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's (or shard's) weights as held (stored blocks included), a tied weight
-    counted once."""
+    """Bytes of a model's (or shard's) weights as held: a rank's stored blocks as stored, a tied
+    weight counted once."""
     return held_bytes(model)
