@@ -356,3 +356,40 @@ def test_a_torch_profile_names_the_kernels():
         kernels.linear(torch.randn(2, 8), torch.randn(4, 8), None)
         kernels.paged_attention(torch.randn(1, 2, 32), cache, cache, torch.arange(5)[None], torch.tensor([5]))
     assert {"kvlab::linear", "kvlab::paged_attention"} <= {e.key for e in prof.key_averages()}
+
+
+def test_the_thread_pool_gives_the_same_bits_at_any_thread_count_from_any_caller():
+    """kvlab's pool (pool.c): more threads than cores (chunks taken by whoever runs), several
+    Python threads calling at once (one runs its loop alone), and a forked child (the pool starts
+    afresh there) all give the serial call's bits."""
+    import threading
+
+    native()
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(1000, 576, generator=g), torch.randn(1000, generator=g)
+    x = torch.randn(3, 576, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = kernels.linear(x, w, b)
+        for n in (2, 3, 7):
+            torch.set_num_threads(n)
+            for _ in range(20):
+                assert torch.equal(kernels.linear(x, w, b), serial), n
+        results: list[bool] = []
+
+        def call() -> None:
+            results.extend(torch.equal(kernels.linear(x, w, b), serial) for _ in range(50))
+
+        callers = [threading.Thread(target=call) for _ in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        assert results == [True] * 150
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its own pool gives the same bits
+            os._exit(0 if torch.equal(kernels.linear(x, w, b), serial) else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        torch.set_num_threads(threads)
