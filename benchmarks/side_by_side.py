@@ -1,8 +1,9 @@
-"""Issue 11's side-by-side table: the bundled model through every engine on the same requests,
-back to back, written as one markdown table with the commands that produced it.
+"""Issue 11's side-by-side table, with issue 25's rows: the bundled model through every engine on
+the same requests, back to back, written as one markdown table with the commands that produced it.
 
     .venv/bin/python benchmarks/side_by_side.py                 # batch 1 at 128 + 128, 16-request mix
-    .venv/bin/python benchmarks/side_by_side.py --engines kvlab,llamacpp   # two engines only
+    .venv/bin/python benchmarks/side_by_side.py --engines kvlab,llamacpp,openvino
+                                                                # issue 25's comparison only: minutes
     .venv/bin/python benchmarks/side_by_side.py --num-requests 3 --input-len 32 --output-len 8 \\
         --mix-input-len 16:64 --mix-output-len 4:8              # a quick check that every piece runs
 
@@ -18,7 +19,10 @@ Each engine in its own process, one after another, on --threads cores; --engines
 - llamacpp, llamacpp-f32: `llama-bench` on the GGUF as shipped (Q4_1), and as F32
   (`llama-quantize`: the same dequantised values kvlab's dense path runs in fp32), for batch-1
   prefill and decode, and `llama-server` with one slot per request (continuous batching) for the
-  mix through its OpenAI API, as token ids.
+  mix through its OpenAI API, as token ids;
+- openvino: OpenVINO GenAI's ContinuousBatchingPipeline on the GGUF as shipped (its own reader
+  keeps the Q4_1 blocks as u4 weights), benchmarks/openvino_peer.py, every request submitted
+  together, with OpenVINO's CPU defaults but the thread count.
 Every request is `kvlab.bench.Workload`'s (seeded prompt ids, greedy, EOS ignored); llama-bench
 makes its own prompt of the same length.
 
@@ -243,7 +247,17 @@ def auto_dtype(gguf: Path) -> DtypeChoice:
     return choose_dtype("auto", "cpu", stored_format(gguf_file(gguf), None, load_config(MODEL)[0]))
 
 
-ENGINES = ("kvlab", "kvlab-dense", "transformers", "vllm", "llamacpp", "llamacpp-f32")
+def openvino_peer(python: Path, gguf: Path, requests: list[tuple[list[int], int]], threads: int,
+                  out: Path) -> tuple[dict, str]:
+    """benchmarks/openvino_peer.py on `requests`, written beside `out` as JSON (the peer's venv has
+    no kvlab to draw them): its JSON line and its command."""
+    file = out.with_suffix(".requests.json")
+    file.write_text(json.dumps(requests))
+    cmd = [str(python), "benchmarks/openvino_peer.py", str(gguf), str(file), "--threads", str(threads)]
+    return last_json(run(cmd, out)), shlex.join(cmd)
+
+
+ENGINES = ("kvlab", "kvlab-dense", "transformers", "vllm", "llamacpp", "llamacpp-f32", "openvino")
 
 
 def engine_set(text: str) -> frozenset[str]:
@@ -277,6 +291,7 @@ def main() -> int:
     bins = args.peers / LLAMA_BIN
     vocab = load_config(MODEL)[0]["vocab_size"]
     # the requests kvlab bench draws for the flags below (its Workload, seed 0)
+    single_requests = Workload(1, (args.input_len,) * 2, (args.output_len,) * 2).requests(vocab)
     mix_requests = Workload(args.num_requests, args.mix_input_len, args.mix_output_len).requests(vocab)
     one = ["--num-requests", "1", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--threads", str(t)]
@@ -349,7 +364,21 @@ def main() -> int:
                         overall, mix_tps, [*extra, bcmd, scmd + " (the requests sent together to /v1/completions)"]))
         ref[engine] = rows[-1]
 
-    for peer, target in (("llamacpp", 1.3),):  # issue 25's target for the mix
+    if "openvino" in engines:
+        python = args.peers / "openvino/bin/python"
+        o1, oc1 = openvino_peer(python, gguf, single_requests, t, out / "openvino-b1.json")
+        om, ocm = openvino_peer(python, gguf, mix_requests, t, out / "openvino-mix.json")
+        rows.append(Row(f"OpenVINO GenAI {o1['version'].split('-')[0]} (ContinuousBatchingPipeline)",
+                        "Q4_1 GGUF (as shipped: u4 blocks)", "int4", args.input_len / o1["ttft_s"],
+                        o1["decode_tokens_per_s"], o1["output_tokens_per_s"], om["output_tokens_per_s"],
+                        [oc1, ocm + " (the requests submitted together)"]))
+        ref["openvino"] = rows[-1]
+        settings = ", ".join(f"{k} {v}" for k, v in om["cpu_defaults"].items())
+        notes.append(f"OpenVINO's CPU defaults, kept: {settings}; its mix used {om['cpu_s']:.1f} CPU s in "
+                     f"{om['seconds']:.1f} s with INFERENCE_NUM_THREADS {t}; RSS after load "
+                     f"{om['rss_after_load'] / 2**20:.0f} MiB.")
+
+    for peer, target in (("llamacpp", 1.3), ("openvino", 1.0)):  # issue 25's targets for the mix
         if "kvlab" in ref and peer in ref:
             notes.append(f"kvlab's default against {ref[peer].engine.split(' (')[0]} on the mix: "
                          f"{ref['kvlab'].mix / ref[peer].mix:.2f}x (issue 25's target: >= {target}x).")
