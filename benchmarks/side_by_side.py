@@ -1,20 +1,28 @@
-"""Issue 11's side-by-side table: the bundled model through every engine on the same requests,
-back to back, written as one markdown table with the commands that produced it.
+"""Issue 11's side-by-side table, with issue 25's rows: the bundled model through every engine on
+the same requests, back to back, written as one markdown table with the commands that produced it.
 
     .venv/bin/python benchmarks/side_by_side.py                 # batch 1 at 128 + 128, 16-request mix
+    .venv/bin/python benchmarks/side_by_side.py --engines kvlab,llamacpp,openvino
+                                                                # issue 25's comparison only: minutes
     .venv/bin/python benchmarks/side_by_side.py --num-requests 3 --input-len 32 --output-len 8 \\
         --mix-input-len 16:64 --mix-output-len 4:8              # a quick check that every piece runs
 
-Each engine in its own process, one after another, on --threads cores:
-- kvlab: `kvlab bench` (default dtype and mode, auto) and the other mode (`--no-deterministic` where
-  the default is deterministic, else `--deterministic`), batch 1 and the mix;
-  transformers through the default run's `--compare hf` (kvlab's weights in transformers' model,
-  the same dtype, static batches: 1 for batch 1, the whole mix at once);
-- vLLM's CPU build: benchmarks/vllm_peer.py on the GGUF written as a safetensors folder by kvlab's
-  own loader (so the weights are the ones kvlab runs), in the dtype kvlab's auto picked;
-- llama.cpp: `llama-bench` on the GGUF as shipped (Q4_1) and as F32 (`llama-quantize`: the same
-  dequantised values kvlab runs in fp32) for batch-1 prefill and decode, and `llama-server` with one
-  slot per request (continuous batching) for the mix through its OpenAI API, as token ids.
+Each engine in its own process, one after another, on --threads cores; --engines picks some of:
+- kvlab: `kvlab bench` as it defaults (dtype and --weights auto: on this CPU the GGUF's Q4_1 and
+  Q8_0 blocks as stored, fp32 activations) and in the other mode (`--no-deterministic` where the
+  default is deterministic, else `--deterministic`), batch 1 and the mix;
+- kvlab-dense: `kvlab bench --weights dense` (every matrix dequantised to the dtype auto picks);
+- transformers: through the dense run's `--compare hf` (kvlab's dense weights in transformers'
+  model, the same dtype, static batches: 1 for batch 1, the whole mix at once);
+- vllm: vLLM's CPU build, benchmarks/vllm_peer.py on the GGUF written as a safetensors folder by
+  kvlab's own loader (so the weights are the ones kvlab's dense path runs), in the dtype auto picks;
+- llamacpp, llamacpp-f32: `llama-bench` on the GGUF as shipped (Q4_1), and as F32
+  (`llama-quantize`: the same dequantised values kvlab's dense path runs in fp32), for batch-1
+  prefill and decode, and `llama-server` with one slot per request (continuous batching) for the
+  mix through its OpenAI API, as token ids;
+- openvino: OpenVINO GenAI's ContinuousBatchingPipeline on the GGUF as shipped (its own reader
+  keeps the Q4_1 blocks as u4 weights), benchmarks/openvino_peer.py, every request submitted
+  together, with OpenVINO's CPU defaults but the thread count.
 Every request is `kvlab.bench.Workload`'s (seeded prompt ids, greedy, EOS ignored); llama-bench
 makes its own prompt of the same length.
 
@@ -22,10 +30,11 @@ The peers live outside the repository (`bash benchmarks/peers.sh` builds them): 
 $PEERS or /work/peers). Results go to --out (default out/side_by_side): each run's output, table.md.
 
 Bounds are the planner's (`kvlab plan smollm2-135m --gpu cpu`, this machine's measured bandwidth
-and fp32 matmul peak) in each row's weight format: batch-1 prefill = prompt tokens / the plan's TTFT
-at the prompt's length; decode = the plan's decode tokens/s at the mean decode context (prompt +
-half the output, as `kvlab bench` takes it); the mix = its output tokens over the longer of its
-FLOPs at the peak and (longest output) decode steps each reading the weights once.
+and fp32 matmul peak) in each row's weight format (int4, with llama.cpp's f16 cache, for every
+row that keeps the file's Q4_1 blocks): batch-1 prefill = prompt tokens / the plan's TTFT at the
+prompt's length; decode = the plan's decode tokens/s at the mean decode context (prompt + half the
+output, as `kvlab bench` takes it); the mix = its output tokens over the longer of its FLOPs at the
+peak and (longest output) decode steps each reading the weights once.
 """
 
 from __future__ import annotations
@@ -41,8 +50,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from soak import free_port, wait_healthy  # benchmarks/ is this script's path
+
+if TYPE_CHECKING:
+    from kvlab.models.loader import DtypeChoice
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
@@ -86,14 +99,14 @@ def kvlab_bench(flags: list[str], out: Path) -> tuple[dict, str]:
 
 def hf_folder(folder: Path) -> Path:
     """The bundled GGUF as a checkpoint folder (config.json + fp32 model.safetensors), from kvlab's
-    own loader: vLLM then runs exactly the dequantised weights kvlab runs. Written once."""
+    own loader: vLLM then runs exactly the dequantised weights kvlab's dense path runs. Written once."""
     if (folder / "model.safetensors").is_file():
         return folder
     from safetensors.torch import save_file
 
     from kvlab.models import load
 
-    model = load(MODEL, "fp32").model
+    model = load(MODEL, "fp32", weights="dense").model  # auto would hold Q4_1 blocks
     state = model.state_dict()
     if model.spec.tie_word_embeddings:  # one tensor in memory, one in the file
         state.pop("lm_head.weight", None)
@@ -189,8 +202,8 @@ def planner_bounds(fmt: str, prompt: int, output: int, mix: list[tuple[list[int]
             f"`{cmd} {prompt}` (TTFT), `{cmd} {prompt + output // 2}` (decode)")
 
 
-def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], prompt: int, output: int, mix_desc: str,
-          auto_why: str) -> str:
+def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], mix_desc: str, notes: list[str]) -> str:
+    """The markdown table, `notes` as its paragraph, then every row's and bound's commands."""
     def cell(value: float | None, bound: float | None) -> str:
         if value is None:
             return "—"
@@ -204,15 +217,56 @@ def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], prompt: int, o
                      f"| {cell(r.single, None)} | {cell(r.mix, b.mix)} |")
     for fmt, (b, _) in bounds.items():
         lines.append(f"| planner's bound, {fmt} weights | | {b.prefill:,.1f} | {b.decode:,.1f} | | {b.mix:,.1f} |")
-    kv, det = rows[0], rows[1]  # kvlab's default, then its other mode
-    lines += ["", f"Batch 1: one {prompt}-token prompt, {output} new tokens. Percentages: of the planner's "
-              f"bound in the row's weight format. kvlab's dtype: {auto_why}. "
-              f"{det.engine} against the default: "
-              f"prefill {det.prefill / kv.prefill - 1:+.1%}, decode {det.decode / kv.decode - 1:+.1%}, "
-              f"mix {det.mix / kv.mix - 1:+.1%}.", "", "Commands:", ""]
+    lines += ["", " ".join(notes), "", "Commands:", ""]
     lines += [f"- {r.engine}, {r.weights}: " + "; ".join(f"`{c}`" for c in r.commands) for r in rows]
     lines += [f"- bounds, {fmt} weights: {cmds}" for fmt, (_, cmds) in bounds.items()]
     return "\n".join(lines) + "\n"
+
+
+def kvlab_row(engine: str, single: dict, batch: dict, prompt: int, cmds: list[str]) -> Row:
+    """A row from two `kvlab bench --json` runs (batch 1, the mix), named by the weights it held:
+    the file's blocks as stored (the bundled file's matrices are Q4_1: int4 bounds, as llama.cpp's
+    row) or every matrix dense in the model's dtype."""
+    from kvlab.models.weights import FORMATS
+
+    dtype = single["dtype"]
+    if set(single["held_formats"]) & set(FORMATS):  # it counts dense matrices too, by torch dtype
+        weights, fmt = f"{single['weights']}, {dtype} activations", "int4"
+    else:
+        weights, fmt = f"{dtype} {single['weights']}", dtype
+    return Row(engine, weights, fmt, prompt / single["ttft_first_s"], single["decode_tokens_per_s"],
+               single["output_tokens_per_s"], batch["output_tokens_per_s"], cmds)
+
+
+def auto_dtype(gguf: Path) -> DtypeChoice:
+    """The dtype `kvlab bench`'s auto picks for the file on the CPU, and why: vLLM and
+    transformers run kvlab's dense weights in it."""
+    from kvlab.catalog import gguf_file, load_config
+    from kvlab.models.loader import choose_dtype, stored_format
+
+    return choose_dtype("auto", "cpu", stored_format(gguf_file(gguf), None, load_config(MODEL)[0]))
+
+
+def openvino_peer(python: Path, gguf: Path, requests: list[tuple[list[int], int]], threads: int,
+                  out: Path) -> tuple[dict, str]:
+    """benchmarks/openvino_peer.py on `requests`, written beside `out` as JSON (the peer's venv has
+    no kvlab to draw them): its JSON line and its command."""
+    file = out.with_suffix(".requests.json")
+    file.write_text(json.dumps(requests))
+    cmd = [str(python), "benchmarks/openvino_peer.py", str(gguf), str(file), "--threads", str(threads)]
+    return last_json(run(cmd, out)), shlex.join(cmd)
+
+
+ENGINES = ("kvlab", "kvlab-dense", "transformers", "vllm", "llamacpp", "llamacpp-f32", "openvino")
+
+
+def engine_set(text: str) -> frozenset[str]:
+    """--engines: comma-separated names out of ENGINES."""
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names or names - set(ENGINES):
+        raise argparse.ArgumentTypeError(f"unknown engines {sorted(names - set(ENGINES))}; "
+                                         f"choose from {','.join(ENGINES)}")
+    return names
 
 
 def main() -> int:
@@ -226,70 +280,113 @@ def main() -> int:
     p.add_argument("--mix-input-len", type=parse_range, default=(64, 512), help="mix prompts, A:B (default 64:512)")
     p.add_argument("--mix-output-len", type=parse_range, default=(32, 256), help="mix outputs, C:D (default 32:256)")
     p.add_argument("--threads", type=int, default=2, help="cores for every engine (default 2)")
+    p.add_argument("--engines", type=engine_set, default=frozenset(ENGINES),
+                   help=f"comma-separated, some of {','.join(ENGINES)} (default all)")
     p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS", "/work/peers")))
     p.add_argument("--out", type=Path, default=ROOT / "out" / "side_by_side")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    out, t = args.out, args.threads
+    out, t, engines = args.out, args.threads, args.engines
     gguf = model_path(MODEL)
     bins = args.peers / LLAMA_BIN
-    mix = Workload(args.num_requests, args.mix_input_len, args.mix_output_len)
-    mix_requests = mix.requests(load_config(MODEL)[0]["vocab_size"])  # as kvlab bench draws them
+    vocab = load_config(MODEL)[0]["vocab_size"]
+    # the requests kvlab bench draws for the flags below (its Workload, seed 0)
+    single_requests = Workload(1, (args.input_len,) * 2, (args.output_len,) * 2).requests(vocab)
+    mix_requests = Workload(args.num_requests, args.mix_input_len, args.mix_output_len).requests(vocab)
     one = ["--num-requests", "1", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--threads", str(t)]
     many = ["--num-requests", str(args.num_requests), "--input-len", "{}:{}".format(*args.mix_input_len),
             "--output-len", "{}:{}".format(*args.mix_output_len), "--threads", str(t)]
+    auto = auto_dtype(gguf)
+    dtype = auto.name
     rows: list[Row] = []
+    notes = [f"Batch 1: one {args.input_len}-token prompt, {args.output_len} new tokens. Percentages: of the "
+             f"planner's bound in the row's weight format. kvlab's dtype: {auto.why}."]
+    ref: dict[str, Row] = {}  # the rows issue 25's targets compare
 
-    # kvlab, its deterministic mode, and transformers beside the default run
-    b1, c1 = kvlab_bench(one + ["--compare", "hf", "--hf-batch-size", "1"], out / "kvlab-b1.json")
-    bm, cm = kvlab_bench(many + ["--compare", "hf", "--hf-batch-size", str(args.num_requests)],
-                         out / "kvlab-mix.json")
-    dtype = b1["dtype"]
-    # the other mode than the default's (auto turns deterministic mode on where it is free)
-    other = "--no-deterministic" if b1["deterministic"] else "--deterministic"
-    d1, dc1 = kvlab_bench(one + [other], out / "kvlab-other-b1.json")
-    dm, dcm = kvlab_bench(many + [other], out / "kvlab-other-mix.json")
-    mode = "deterministic" if b1["deterministic"] else "fast"
-    for name, single, batch, cmds in ((f"kvlab (default: {mode})", b1, bm, [c1, cm]), (f"kvlab {other}", d1, dm, [dc1, dcm])):
-        rows.append(Row(name, f"{dtype} (auto)", dtype, args.input_len / single["ttft_first_s"],
-                        single["decode_tokens_per_s"], single["output_tokens_per_s"], batch["output_tokens_per_s"],
-                        cmds))
+    if "kvlab" in engines:  # as it defaults, and the other mode (auto turns deterministic on where it is free)
+        b1, c1 = kvlab_bench(one, out / "kvlab-b1.json")
+        bm, cm = kvlab_bench(many, out / "kvlab-mix.json")
+        other = "--no-deterministic" if b1["deterministic"] else "--deterministic"
+        d1, dc1 = kvlab_bench(one + [other], out / "kvlab-other-b1.json")
+        dm, dcm = kvlab_bench(many + [other], out / "kvlab-other-mix.json")
+        mode = "deterministic" if b1["deterministic"] else "fast"
+        kv, det = (kvlab_row(f"kvlab (default: {mode})", b1, bm, args.input_len, [c1, cm]),
+                   kvlab_row(f"kvlab {other}", d1, dm, args.input_len, [dc1, dcm]))
+        rows += [kv, det]
+        ref["kvlab"] = kv
+        notes.append(f"{det.engine} against the default: prefill {det.prefill / kv.prefill - 1:+.1%}, "
+                     f"decode {det.decode / kv.decode - 1:+.1%}, mix {det.mix / kv.mix - 1:+.1%}.")
 
-    # vLLM on kvlab's weights, in kvlab's dtype
-    folder = hf_folder(args.peers / "models" / "smollm2-135m-hf")
-    longest = max(args.input_len + args.output_len, args.mix_input_len[1] + args.mix_output_len[1])
-    vllm = [str(args.peers / "vllm/bin/python"), "benchmarks/vllm_peer.py", str(folder), "--dtype", dtype,
-            "--max-model-len", str(longest)]  # one compiled graph for both runs (vLLM caches it on disk)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{t - 1}", "PYTHONPATH": str(ROOT)}
-    env_text = f"VLLM_CPU_OMP_THREADS_BIND=0-{t - 1} PYTHONPATH=. "
-    v1_cmd = vllm + one[:6]
-    vm_cmd = vllm + many[:6]
-    v1 = last_json(run(v1_cmd, out / "vllm-b1.txt", env))
-    vm = last_json(run(vm_cmd, out / "vllm-mix.txt", env))
-    rows.append(Row("vLLM 0.32 (CPU build)", f"{dtype}, kvlab's weights as safetensors", dtype,
-                    args.input_len / v1["ttft_s"], v1["decode_tokens_per_s"], v1["output_tokens_per_s"],
-                    vm["output_tokens_per_s"], [env_text + shlex.join(v1_cmd), env_text + shlex.join(vm_cmd)]))
+    if engines & {"kvlab-dense", "transformers"}:  # transformers takes the dense weights only
+        hf = "transformers" in engines
+        dense = ["--weights", "dense"]
+        s1, sc1 = kvlab_bench(one + dense + (["--compare", "hf", "--hf-batch-size", "1"] if hf else []),
+                              out / "kvlab-dense-b1.json")
+        sm, scm = kvlab_bench(many + dense + (["--compare", "hf", "--hf-batch-size", str(args.num_requests)]
+                                              if hf else []), out / "kvlab-dense-mix.json")
+        if "kvlab-dense" in engines:
+            rows.append(kvlab_row("kvlab --weights dense", s1, sm, args.input_len, [sc1, scm]))
+        if hf:
+            rows.append(Row(f"transformers {_transformers_version()}", f"{dtype}, kvlab's dense weights", dtype,
+                            None, None, s1["hf_output_tokens_per_s"], sm["hf_output_tokens_per_s"],
+                            [sc1 + " (batches of 1)", scm + f" (one static batch of {args.num_requests})"]))
+
+    if "vllm" in engines:  # on kvlab's dense weights, in kvlab's dtype
+        folder = hf_folder(args.peers / "models" / "smollm2-135m-hf")
+        longest = max(args.input_len + args.output_len, args.mix_input_len[1] + args.mix_output_len[1])
+        vllm = [str(args.peers / "vllm/bin/python"), "benchmarks/vllm_peer.py", str(folder), "--dtype", dtype,
+                "--max-model-len", str(longest)]  # one compiled graph for both runs (vLLM caches it on disk)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{t - 1}", "PYTHONPATH": str(ROOT)}
+        env_text = f"VLLM_CPU_OMP_THREADS_BIND=0-{t - 1} PYTHONPATH=. "
+        v1_cmd = vllm + one[:6]
+        vm_cmd = vllm + many[:6]
+        v1 = last_json(run(v1_cmd, out / "vllm-b1.txt", env))
+        vm = last_json(run(vm_cmd, out / "vllm-mix.txt", env))
+        rows.append(Row("vLLM 0.32 (CPU build)", f"{dtype}, kvlab's dense weights as safetensors", dtype,
+                        args.input_len / v1["ttft_s"], v1["decode_tokens_per_s"], v1["output_tokens_per_s"],
+                        vm["output_tokens_per_s"], [env_text + shlex.join(v1_cmd), env_text + shlex.join(vm_cmd)]))
 
     # llama.cpp on the shipped file and on its F32 requantisation
-    f32, qcmd = f32_gguf(bins / "llama-quantize", gguf, args.peers / "models" / "smollm2-135m-f32.gguf",
-                         out / "quantize.txt")
-    for label, file, fmt, extra in (("Q4_1 GGUF (as shipped)", gguf, "int4", []), ("F32 GGUF", f32, "fp32", [qcmd])):
+    for engine, label, fmt in (("llamacpp", "Q4_1 GGUF (as shipped)", "int4"), ("llamacpp-f32", "F32 GGUF", "fp32")):
+        if engine not in engines:
+            continue
+        file, extra = gguf, []
+        if fmt == "fp32":
+            file, qcmd = f32_gguf(bins / "llama-quantize", gguf, args.peers / "models" / "smollm2-135m-f32.gguf",
+                                  out / "quantize.txt")
+            extra = [qcmd]
         rate, bcmd = llama_bench(bins / "llama-bench", file, args.input_len, args.output_len, t,
                                  out / f"llama-bench-{fmt}.json")
         mix_tps, scmd = llama_server_mix(bins / "llama-server", file, mix_requests, t, out / f"llama-server-{fmt}.json")
         overall = args.output_len / ((args.input_len + args.output_len) / rate["pg"])
         rows.append(Row("llama.cpp (llama-bench; llama-server for the mix)", label, fmt, rate["pp"], rate["tg"],
                         overall, mix_tps, [*extra, bcmd, scmd + " (the requests sent together to /v1/completions)"]))
+        ref[engine] = rows[-1]
 
-    rows.append(Row(f"transformers {_transformers_version()}", f"{dtype}, kvlab's weights", dtype, None, None,
-                    b1["hf_output_tokens_per_s"], bm["hf_output_tokens_per_s"],
-                    [c1 + " (batches of 1)", cm + f" (one static batch of {args.num_requests})"]))
+    if "openvino" in engines:
+        python = args.peers / "openvino/bin/python"
+        o1, oc1 = openvino_peer(python, gguf, single_requests, t, out / "openvino-b1.json")
+        om, ocm = openvino_peer(python, gguf, mix_requests, t, out / "openvino-mix.json")
+        rows.append(Row(f"OpenVINO GenAI {o1['version'].split('-')[0]} (ContinuousBatchingPipeline)",
+                        "Q4_1 GGUF (as shipped: u4 blocks)", "int4", args.input_len / o1["ttft_s"],
+                        o1["decode_tokens_per_s"], o1["output_tokens_per_s"], om["output_tokens_per_s"],
+                        [oc1, ocm + " (the requests submitted together)"]))
+        ref["openvino"] = rows[-1]
+        settings = ", ".join(f"{k} {v}" for k, v in om["cpu_defaults"].items())
+        notes.append(f"OpenVINO's CPU defaults, kept: {settings}; its mix used {om['cpu_s']:.1f} CPU s in "
+                     f"{om['seconds']:.1f} s with INFERENCE_NUM_THREADS {t}; RSS after load "
+                     f"{om['rss_after_load'] / 2**20:.0f} MiB.")
+
+    for peer, target in (("llamacpp", 1.3), ("openvino", 1.0)):  # issue 25's targets for the mix
+        if "kvlab" in ref and peer in ref:
+            notes.append(f"kvlab's default against {ref[peer].engine.split(' (')[0]} on the mix: "
+                         f"{ref['kvlab'].mix / ref[peer].mix:.2f}x (issue 25's target: >= {target}x).")
 
     bounds = {fmt: planner_bounds(fmt, args.input_len, args.output_len, mix_requests)
               for fmt in dict.fromkeys(r.fmt for r in rows)}
     desc = f"{args.num_requests} requests, in {'{}:{}'.format(*args.mix_input_len)}, out {'{}:{}'.format(*args.mix_output_len)}"
-    text = table(rows, bounds, args.input_len, args.output_len, desc, b1["dtype_why"])
+    text = table(rows, bounds, desc, notes)
     (out / "table.md").write_text(text)
     print(text)
     return 0
