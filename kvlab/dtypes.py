@@ -122,7 +122,7 @@ MODEL_DTYPE_HELP = ("auto (default: the checkpoint's values exactly and the same
 
 # The GGUF types kvlab's engine runs as stored, multiplied by its native kernels
 # (kvlab.models.weights.FORMATS); here, free of torch, for the planner and the flags' help
-GGUF_AS_STORED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
+GGUF_AS_STORED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
 
 # --weights of the same commands (kvlab.models.loader.choose_weights)
 WEIGHTS_HELP = (f"auto (default: a GGUF file's {'/'.join(GGUF_AS_STORED)} matrices as stored where kvlab's "

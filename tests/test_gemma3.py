@@ -24,6 +24,7 @@ from kvlab.gguf import export_folder, open_gguf
 from kvlab.models import NoCache, load
 from kvlab.sampling import SamplingParams
 from tests.test_generate import CORPUS
+from tests.test_gguf import k_quant
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -48,17 +49,6 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     scores = [0.0] * (len(SPECIAL) + 256) + [-float(i) for i in range(len(pieces))] + [0.0]
     types = [3] * len(SPECIAL) + [6] * 256 + [1] * len(pieces) + [4]
     return tokens, scores, types
-
-
-def k_quant(rng: np.random.Generator, rows: int, cols: int, qtype) -> np.ndarray:
-    """Random blocks of a K-quant type with small f16 scales (gguf cannot quantise to K types)."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    if qtype == Q.Q4_K:  # d, dmin first
-        raw[..., 0:4] = np.frombuffer(np.array([2e-4, 2e-4], np.float16).tobytes(), np.uint8)
-    else:  # Q6_K: d last
-        raw[..., -2:] = np.frombuffer(np.array([4e-5], np.float16).tobytes(), np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def write_gemma3_gguf(out: Path, seed: int = 0) -> Path:

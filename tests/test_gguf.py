@@ -53,10 +53,23 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def k_quant(rng: np.random.Generator, rows: int, cols: int, qtype) -> np.ndarray:
+    """Random blocks of a K-quant type with small f16 scales (gguf cannot quantise to K types)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin first
+        raw[..., 0:4] = np.frombuffer(np.array([2e-4, 2e-4], np.float16).tobytes(), np.uint8)
+    else:  # Q6_K: d last
+        raw[..., -2:] = np.frombuffer(np.array([4e-5], np.float16).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def write_tiny_gguf(folder: Path, out: Path, arch: str, qtype, *, pre: str = "default",
                     add_bos: bool = False, chat_template: str | None = None) -> dict[str, torch.Tensor]:
     """Write ``folder``'s model as a GGUF file; linear weights in ``qtype``, norms and biases F32.
-    Returns the weights kvlab should load (quantisation round trip, HF names and row order)."""
+    Returns the weights kvlab should load (quantisation round trip, HF names and row order). A
+    k-quant ``qtype`` (Q4_K, Q6_K: gguf cannot quantise to them) writes random blocks
+    (``k_quant``) in place of the matrices; their columns must be multiples of 256."""
     cfg = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -87,18 +100,23 @@ def write_tiny_gguf(folder: Path, out: Path, arch: str, qtype, *, pre: str = "de
     if chat_template:
         w.add_chat_template(chat_template)
     expected = {}
+    rng = np.random.default_rng(0)
     for name, t in state.items():
         data = t.float().numpy()
         # llama.cpp quantises rows in blocks along the columns, so permuting rows commutes with
         # the quantisation round trip: kvlab must give back dequantise(quantise(w)) in HF order
-        expected[name] = (torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype))
-                          if data.ndim == 2 else t.float())
+        if data.ndim == 2:
+            data = (k_quant(rng, *data.shape, qtype) if qtype in (Q.Q4_K, Q.Q6_K)
+                    else gguf.quants.quantize(data, qtype))
+            expected[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+        else:
+            expected[name] = t.float()
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = _llama_cpp_permute(data, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _llama_cpp_permute(data, kv_heads)
         if data.ndim == 2:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), data)
     w.write_header_to_file()

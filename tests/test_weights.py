@@ -19,49 +19,74 @@ from kvlab.generate import generate
 from kvlab.models import NoCache, load
 from kvlab.models.loader import choose_weights
 from kvlab.models.llama import Linear
-from kvlab.models.weights import FORMATS, QuantEmbedding, QuantLinear, check_format, held_bytes
+from kvlab.models.weights import FORMATS, QK_K, QuantEmbedding, QuantLinear, check_format, held_bytes, held_formats
 from kvlab.sampling import SamplingParams
+from tests.test_gemma3 import write_gemma3_gguf
 from tests.test_gguf import write_tiny_gguf
 from tests.test_models import make_checkpoint
 
 NATIVE = kernels.status().available
+K_QUANTS = (Q.Q4_K, Q.Q6_K)
+
+
+def _cols(name: str, k: int) -> int:
+    """k inputs for the 32-weight formats; 3 super-blocks (768) for the k-quants."""
+    return k if FORMATS[name].block == 32 else 3 * QK_K
 
 
 def _blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random weights [n, k] quantised by gguf.quants: (blocks, gguf.quants' dequantised values)."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    w[0, :32] = 0.0  # an all-zero block (scale 0)
-    raw = gguf.quants.quantize(w, getattr(Q, name))
+    """Random weights [n, k] quantised by gguf.quants: (blocks, gguf.quants' dequantised values).
+    k-quants, which gguf.quants cannot quantise: random bytes with random finite fp16 factors
+    (d, and Q4_K's dmin), every scale and rounding case; the first super-block all zero."""
+    rng = np.random.default_rng(seed)
+    if getattr(Q, name) in K_QUANTS:
+        raw = rng.integers(0, 256, (n, k // QK_K, FORMATS[name].block_bytes), dtype=np.uint8)
+        halves = slice(0, 4) if name == "Q4_K" else slice(208, 210)  # Q4_K: d, dmin first; Q6_K: d last
+        raw[..., halves] = rng.standard_normal((n, k // QK_K, 2 if name == "Q4_K" else 1)).astype(np.float16).view(np.uint8)
+        raw[0, 0] = 0
+        raw = raw.reshape(n, -1)
+    else:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w[0, :32] = 0.0  # an all-zero block (scale 0)
+        raw = gguf.quants.quantize(w, getattr(Q, name))
     ref = gguf.quants.dequantize(raw, getattr(Q, name)).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref)
 
 
+def _checkpoint(folder, family: str, qtype, **overrides):
+    """make_checkpoint, 256 wide (FFN 512) for a k-quant qtype: whole super-blocks per row."""
+    if qtype in K_QUANTS:
+        overrides.update(hidden_size=256, intermediate_size=512)
+    return make_checkpoint(folder, family, **overrides)
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_dequantisation_is_gguf_quants_to_the_bit(name):
-    fmt = FORMATS[name]
-    blocks, ref = _blocks(name, 37, 160)
-    assert blocks.shape == (37, fmt.row_bytes(160))
+    fmt, k = FORMATS[name], _cols(name, 160)
+    blocks, ref = _blocks(name, 37, k)
+    assert blocks.shape == (37, fmt.row_bytes(k))
     assert torch.equal(fmt.reference(blocks), ref)
-    assert torch.equal(fmt.dequantize(blocks, 160), ref)  # the native one where it runs
+    assert torch.equal(fmt.dequantize(blocks, k), ref)  # the native one where it runs
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_the_layer_is_the_dense_layer_on_the_dequantised_weight(name):
     """A QuantLinear makes a dense fp32 Linear's choices (native kernel up to its row limit,
     F.linear above) on the same values: bitwise equal at every row count, bias or not, odd N."""
-    blocks, ref = _blocks(name, 45, 96, seed=1)
+    k = _cols(name, 96)
+    blocks, ref = _blocks(name, 45, k, seed=1)
     bias = torch.randn(45)
-    q = QuantLinear(FORMATS[name], blocks, 96, bias.clone())
-    dense = Linear(96, 45)
+    q = QuantLinear(FORMATS[name], blocks, k, bias.clone())
+    dense = Linear(k, 45)
     with torch.no_grad():
         dense.weight.copy_(ref)
         dense.bias.copy_(bias)
     for m in (1, 2, 3, 4, 5, 49, 64, 65, 130):
-        x = torch.randn(m, 96)
+        x = torch.randn(m, k)
         with torch.no_grad():
             assert torch.equal(q(x), dense(x)), m
     if NATIVE:
-        x = torch.randn(7, 96)
+        x = torch.randn(7, k)
         assert torch.equal(kernels.linear_q(x, blocks, FORMATS[name].code, None), kernels.linear(x, ref, None))
 
 
@@ -71,11 +96,12 @@ def test_the_avx512_loop_is_the_avx2_loop_to_the_bit(name):
     """Two weight rows per zmm, each half the AVX2 chain: equal at every tile shape (odd N leaves
     a pair half-empty; 1, 2, 3 and 4 input rows take each tile)."""
     lib = kernels._load()[0]
-    blocks, _ = _blocks(name, 21, 224, seed=2)
+    k = _cols(name, 224)
+    blocks, _ = _blocks(name, 21, k, seed=2)
     bias = torch.randn(21)
     try:
         for m in (1, 2, 3, 4, 7):
-            x = torch.randn(m, 224)
+            x = torch.randn(m, k)
             wide = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
             lib.kvlab_set_avx512(0)
             narrow = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
@@ -95,15 +121,21 @@ def test_an_embedding_reads_its_rows_exactly():
 
 
 def test_formats_without_a_kernel_name_themselves():
-    with pytest.raises(ValueError, match=r"GGUF type Q4_K cannot run as stored; kvlab runs Q8_0, Q4_0, Q4_1, Q5_0"):
-        check_format("Q4_K")
+    with pytest.raises(ValueError, match=r"GGUF type Q5_K cannot run as stored; kvlab runs Q8_0, Q4_0, Q4_1, "
+                                         r"Q5_0, Q4_K, Q6_K as stored"):
+        check_format("Q5_K")
     with pytest.raises(ValueError, match="whole blocks of 32"):
         QuantLinear(FORMATS["Q4_1"], torch.zeros(4, 20, dtype=torch.uint8), 40)
+    # a k-quant row is whole super-blocks (llama.cpp writes a 576-wide matrix in another type)
+    with pytest.raises(ValueError, match="Q4_K weight of 576 inputs: rows must be whole blocks of 256"):
+        QuantLinear(FORMATS["Q4_K"], torch.zeros(4, 2 * 144, dtype=torch.uint8), 576)
+    with pytest.raises(ValueError, match="Q6_K weight of 576 inputs"):
+        QuantEmbedding(FORMATS["Q6_K"], torch.zeros(4, 2 * 210, dtype=torch.uint8), 576)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K])
 def test_a_tiny_gguf_runs_as_stored_with_the_dense_logits_and_tokens(tmp_path, qtype):
-    folder = make_checkpoint(tmp_path / "hf", "llama", attention_bias=qtype == Q.Q4_1)
+    folder = _checkpoint(tmp_path / "hf", "llama", qtype, attention_bias=qtype == Q.Q4_1)
     write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", qtype)
     stored = load(tmp_path / "m.gguf")
     dense = load(tmp_path / "m.gguf", weights="dense")
@@ -131,13 +163,28 @@ def test_a_tiny_gguf_runs_as_stored_with_the_dense_logits_and_tokens(tmp_path, q
         assert out[0].token_ids == got
 
 
+def test_a_gemma3_file_of_k_quants_runs_as_stored_with_the_dense_logits(tmp_path):
+    """llama.cpp's Q4_K_M mix on the tiny Gemma 3 file: Q4_K, Q6_K and Q8_0 matrices (the Q8_0
+    embedding tied to the head) held as stored, the logits of the dense fp32 load bit for bit."""
+    path = write_gemma3_gguf(tmp_path / "g.gguf")
+    stored = load(path, weights="auto" if NATIVE else "as-stored")
+    dense = load(path, weights="dense")
+    assert stored.weights.formats == {"Q4_K", "Q6_K", "Q8_0"}, stored.weights
+    assert held_formats(stored.model) == {"Q4_K": 18, "Q6_K": 12, "Q8_0": 13}
+    ids = torch.randint(0, 200, (70,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = stored.model(ids, NoCache(stored.model.spec).prepare(70), NoCache(stored.model.spec), None)
+        b = dense.model(ids, NoCache(dense.model.spec).prepare(70), NoCache(dense.model.spec), None)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("family, arch, qtype", [("llama", "llama", Q.Q4_1), ("qwen2-tied", "qwen2", Q.Q4_0),
-                                                  ("qwen3", "qwen3", Q.F16)])
+                                                  ("qwen3", "qwen3", Q.F16), ("qwen2-tied", "qwen2", Q.Q6_K)])
 def test_the_planners_held_bytes_are_the_loaded_models(tmp_path, family, arch, qtype):
     """``StoredWeights.held_bytes`` (torch-free, from the file's header) is what the engine holds
     on the CPU: Q4_1 layers (and their F32 biases), a tied Q4_0 embedding counted once, F16
     matrices dequantised to fp32."""
-    folder = make_checkpoint(tmp_path / "hf", family, attention_bias=family == "llama")
+    folder = _checkpoint(tmp_path / "hf", family, qtype, attention_bias=family == "llama")
     write_tiny_gguf(folder, tmp_path / "m.gguf", arch, qtype)
     stored = load_spec(str(tmp_path / "m.gguf")).stored_weights
     loaded = load(tmp_path / "m.gguf", weights="auto" if NATIVE else "as-stored")

@@ -5,9 +5,10 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
   sgemm reads at a fraction of the memory bandwidth on AVX2 CPUs, and for any rows in bf16,
   which PyTorch multiplies at ~1 GFLOP/s on CPUs without oneDNN's bf16 kernels. Its results do
   not depend on the batch, so deterministic mode needs no padded rows with it.
-- ``linear_q``, ``dequantize`` (``linear.c``, ``blocks.h``): the same for weights kept in GGUF's
-  Q8_0, Q4_0, Q4_1 and Q5_0 blocks, dequantised in registers to the file's exact values, so
-  bitwise ``linear`` on the dequantised weight, reading 4-6x fewer bytes. On CPUs with AVX-512
+- ``linear_q``, ``dequantize`` (``linear.c``, ``blocks.h``, ``kblocks.h``): the same for weights
+  kept in GGUF's Q8_0, Q4_0, Q4_1 and Q5_0 blocks or Q4_K and Q6_K super-blocks, dequantised in
+  registers to the file's exact values, so bitwise ``linear`` on the dequantised weight, reading
+  4-7x fewer bytes. On CPUs with AVX-512
   two weight rows share each register (``KVLAB_AVX512=off``: the AVX2 loop; the same bits).
 - ``paged_attention`` (``attention.c``): query rows against their keys and values read in place
   in the paged cache (fp32 or bf16), instead of a gathered copy and SDPA. A row's result does not
@@ -51,7 +52,7 @@ from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c", "pool.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h", "pool.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h", "kblocks.h", "pool.h")]
 # -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
 # ops round each step as PyTorch's eager ops do)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
@@ -198,8 +199,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = Fals
 
 
 def linear_q(x: Tensor, blocks: Tensor, fmt: int, bias: Tensor | None) -> Tensor:
-    """x @ W^T (+ bias) for fp32 x [M, K] (contiguous) and W stored as ``blocks`` [N, K / 32 x
-    block bytes] (uint8, contiguous) in block format ``fmt`` (``kvlab.models.weights``): bitwise
+    """x @ W^T (+ bias) for fp32 x [M, K] (contiguous) and W stored as ``blocks`` [N, K / block
+    weights x block bytes] (uint8, contiguous) in block format ``fmt`` (``kvlab.models.weights``): bitwise
     ``linear(x, W, bias)`` on the dequantised W."""
     lib = _load()[0]
     assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and blocks.is_contiguous()
@@ -213,7 +214,7 @@ def linear_q(x: Tensor, blocks: Tensor, fmt: int, bias: Tensor | None) -> Tensor
 
 
 def dequantize(blocks: Tensor, fmt: int, k: int) -> Tensor:
-    """The fp32 rows [N, k] of ``blocks`` [N, k / 32 x block bytes] in block format ``fmt``,
+    """The fp32 rows [N, k] of ``blocks`` [N, k / block weights x block bytes] in block format ``fmt``,
     exactly as gguf.quants dequantises them."""
     lib = _load()[0]
     assert lib is not None and blocks.is_contiguous() and blocks.dtype == torch.uint8

@@ -5,10 +5,10 @@
  * is: no packed copy), y [M, N], all row-major and contiguous, all fp32 or all bf16. bf16 values
  * are widened exactly, summed in fp32, and each output rounded once (as PyTorch's bf16 matmul),
  * or kept in fp32 (``kvlab_linear_bf16_f32``: the LM head, whose logits are never rounded).
- * A quantised weight row is K / 32 blocks; each 8 weights are dequantised in registers to
- * exactly the values gguf.quants gives, then summed in the fp32 chain below: the result is
- * bitwise that of the fp32 kernel on the dequantised weight, at a quarter to a sixth of the
- * bytes read.
+ * A quantised weight row is K / 32 blocks (k-quants: K / 256 super-blocks, kblocks.h); each 8
+ * weights are dequantised in registers to exactly the values gguf.quants gives, then summed in
+ * the fp32 chain below: the result is bitwise that of the fp32 kernel on the dequantised weight,
+ * at a quarter to a seventh of the bytes read.
  *
  * Why: a decode step multiplies a few rows by every weight, so it is a read of the weights.
  * On the AVX2 EPYC kvlab is measured on, MKL's sgemm reads them at 3-8 GB/s for 1-16 rows;
@@ -20,6 +20,7 @@
  * count, so every row is bitwise the same whatever runs beside it (deterministic mode).
  */
 #include "blocks.h"
+#include "kblocks.h"
 #include "pool.h"
 
 #define NB_MAX 8 /* output rows (weight rows) per tile: 8 for one input row, else 4 */
@@ -146,6 +147,105 @@ static inline T512 void qtile512(const float *x, const uint8_t *w, const float *
 QTILES(qtiles, qtile, __attribute__((always_inline)))
 QTILES(qtiles512_fmt, qtile512, T512)
 
+/* --- k-quants (kblocks.h): super-blocks of 256 weights, K a multiple of 256 ------------------- */
+
+/* qtile for a weight in k-quant format fmt: the same chain of FMAs (k in order, 8 lanes, one
+ * chain per output), each super-block dequantised 32 weights at a time as it is loaded, a row's
+ * whole super-block before the next row's (measured: 1.5-2.7x the rate of interleaving rows per
+ * 32 weights, AVX2). A super-block spans 3-4 cache lines: one prefetch per 64 bytes covers each
+ * row's every line. */
+static inline __attribute__((always_inline)) void ktile(const float *x, const uint8_t *w, const float *b,
+                                                        float *y, long m0, const int mb, long n0,
+                                                        const int nb, long nn, long N, long K, const int fmt) {
+    const long bb = KBLOCK_BYTES(fmt), rb = K / QK_K * bb;
+    const uint8_t *wr[NB_MAX];
+    const float *xr[MB];
+    for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
+    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * K;
+    __m256 acc[MB][NB_MAX];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (long ks = 0; ks < K / QK_K; ks++) {
+        for (int j = 0; j < nb; j++)
+            for (long l = 0; l < bb; l += 64)
+                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + ks * bb + l), _MM_HINT_T0);
+        for (int j = 0; j < nb; j++)
+            for (int s = 0; s < QK_K / QK; s++) {
+                __m256 wv[4];
+                kblock8(wr[j] + ks * bb, s, fmt, wv);
+                for (int i = 0; i < mb; i++)
+                    for (int g = 0; g < 4; g++)
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + ks * QK_K + QK * s + 8 * g), wv[g], acc[i][j]);
+            }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nn; j++) {
+            float s = hsum(acc[i][j]);
+            if (b) s += b[n0 + j];
+            y[(m0 + i) * N + n0 + j] = s;
+        }
+}
+
+/* ktile with AVX-512, as qtile512 is qtile's: weight rows in pairs (kblock16), each half of a
+ * zmm the 8-lane chain of ktile, so the same bits. */
+static inline T512 void ktile512(const float *x, const uint8_t *w, const float *b, float *y, long m0,
+                                 const int mb, long n0, const int nb, long nn, long N, long K, const int fmt) {
+    const long bb = KBLOCK_BYTES(fmt), rb = K / QK_K * bb;
+    const uint8_t *wr[NB_MAX];
+    const float *xr[MB];
+    for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
+    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * K;
+    __m512 acc[MB][NB_MAX / 2];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nb / 2; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long ks = 0; ks < K / QK_K; ks++) {
+        for (int j = 0; j < nb; j++)
+            for (long l = 0; l < bb; l += 64)
+                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + ks * bb + l), _MM_HINT_T0);
+        for (int j = 0; j < nb / 2; j++)
+            for (int s = 0; s < QK_K / QK; s++) {
+                __m512 wv[4];
+                kblock16(wr[2 * j] + ks * bb, wr[2 * j + 1] + ks * bb, s, fmt, wv);
+                for (int i = 0; i < mb; i++)
+                    for (int g = 0; g < 4; g++)
+                        acc[i][j] = _mm512_fmadd_ps(
+                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xr[i] + ks * QK_K + QK * s + 8 * g)), wv[g], acc[i][j]);
+            }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nn; j++) {
+            __m256 half = j % 2 ? _mm512_extractf32x8_ps(acc[i][j / 2], 1) : _mm512_castps512_ps256(acc[i][j / 2]);
+            float s = hsum(half);
+            if (b) s += b[n0 + j];
+            y[(m0 + i) * N + n0 + j] = s;
+        }
+}
+
+QTILES(ktiles, ktile, __attribute__((always_inline)))
+QTILES(ktiles512, ktile512, T512)
+
+/* kvlab_dequantize's arguments, for the pool's chunks of blocks (pool.h). */
+typedef struct {
+    const uint8_t *w;
+    float *out;
+    int fmt;
+} dequantize_job;
+
+/* kvlab_dequantize for the k-quants: super-blocks [i0, i1). */
+static void kdequantize(void *arg, long i0, long i1) {
+    const dequantize_job *job = arg;
+    const long bb = KBLOCK_BYTES(job->fmt);
+    for (long i = i0; i < i1; i++)
+        for (int s = 0; s < QK_K / QK; s++) {
+            __m256 v[4];
+            if (job->fmt == Q4_K) kblock8(job->w + i * bb, s, Q4_K, v);
+            else kblock8(job->w + i * bb, s, Q6_K, v);
+            for (int g = 0; g < 4; g++) _mm256_storeu_ps(job->out + i * QK_K + QK * s + 8 * g, v[g]);
+        }
+}
+
+/* --- end of k-quants ---------------------------------------------------------------------------- */
+
 /* Not inlined into linear(): its AVX-512 code runs only where kvlab_set_avx512 found the CPU's. */
 static __attribute__((target("avx2,fma,f16c,avx512f,avx512dq"), noinline)) void
 qtiles512(const float *x, const kvlab_part *part, long n0, int nb, long block, long end, long M, long K) {
@@ -153,6 +253,8 @@ qtiles512(const float *x, const kvlab_part *part, long n0, int nb, long block, l
     case Q8_0: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q8_0); break;
     case Q4_0: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_0); break;
     case Q4_1: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_1); break;
+    case Q4_K: ktiles512(x, part, n0, nb, block, end, M, K, Q4_K); break;
+    case Q6_K: ktiles512(x, part, n0, nb, block, end, M, K, Q6_K); break;
     default: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q5_0); break;
     }
 }
@@ -186,6 +288,8 @@ static inline __attribute__((always_inline)) void linear_tiles(const linear_job 
             case Q8_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q8_0); break;
             case Q4_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_0); break;
             case Q4_1: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_1); break;
+            case Q4_K: ktiles(x, &parts[p], q0, nb, block, end, M, K, Q4_K); break;
+            case Q6_K: ktiles(x, &parts[p], q0, nb, block, end, M, K, Q6_K); break;
             default: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q5_0); break;
             }
             continue;
@@ -248,18 +352,12 @@ void kvlab_linear_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t 
     linear(x, &part, 1, M, K, threads, 1, 0);
 }
 
-/* fp32 rows against a weight [N, K / 32 blocks] in block format fmt. */
+/* fp32 rows against a weight [N, K / 32 blocks] (k-quants: K / 256) in block format fmt. */
 void kvlab_linear_q(const float *x, const uint8_t *w, const float *b, float *y, long M, long N, long K,
                     int fmt, int threads) {
     const kvlab_part part = {w, b, y, N, fmt};
     linear(x, &part, 1, M, K, threads, 0, 0);
 }
-
-typedef struct {
-    const uint8_t *w;
-    float *out;
-    int fmt;
-} dequantize_job;
 
 static void dequantize_blocks(void *arg, long i0, long i1) {
     const dequantize_job *job = arg;
@@ -276,10 +374,12 @@ static void dequantize_blocks(void *arg, long i0, long i1) {
     }
 }
 
-/* The fp32 values of rows [rows, K / 32 blocks] in block format fmt: exactly gguf.quants'. */
+/* The fp32 values of rows [rows, K / 32 blocks] (k-quants: K / 256) in block format fmt: exactly
+ * gguf.quants'. */
 void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, int threads) {
     dequantize_job job = {w, out, fmt};
-    kvlab_parallel(rows * (K / QK), 2048, threads, dequantize_blocks, &job);
+    if (fmt == Q4_K || fmt == Q6_K) kvlab_parallel(rows * (K / QK_K), 256, threads, kdequantize, &job);
+    else kvlab_parallel(rows * (K / QK), 2048, threads, dequantize_blocks, &job);
 }
 
 /* Take the AVX-512 loops if asked and this CPU (and its OS) has AVX-512 F and DQ; returns

@@ -141,9 +141,9 @@ class WeightsChoice:
 
 
 def choose_weights(name: str, gguf: GGUFFile | None, dtype: torch.dtype, device: str) -> WeightsChoice:
-    """How to hold the weight matrices. ``auto``: a GGUF file's Q8_0, Q4_0, Q4_1 and Q5_0 matrices
-    as stored where the native kernels run (fp32 on the CPU), the same values as dense fp32 at a
-    quarter to a sixth of the bytes; everything else dense in ``dtype``. ``as-stored``: that,
+    """How to hold the weight matrices. ``auto``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and
+    Q6_K matrices as stored where the native kernels run (fp32 on the CPU), the same values as
+    dense fp32 at a quarter to a seventh of the bytes; everything else dense in ``dtype``. ``as-stored``: that,
     also where the kernels do not run (dequantised per call, slow). ``dense``: every matrix in
     ``dtype`` (today's fp32 for a GGUF file)."""
     if name not in WEIGHTS:
@@ -184,11 +184,14 @@ def hold_blocks(model: CausalLM, gguf: GGUFFile, formats: frozenset[str]) -> fro
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
         data = torch.from_numpy(blocks)
-        if isinstance(old, torch.nn.Embedding):
-            new: torch.nn.Module = QuantEmbedding(FORMATS[kind], data, old.embedding_dim)
-        else:
-            bias = None if old.bias is None else torch.empty_like(old.bias, device="meta")
-            new = QuantLinear(FORMATS[kind], data, old.in_features, bias)
+        try:
+            if isinstance(old, torch.nn.Embedding):
+                new: torch.nn.Module = QuantEmbedding(FORMATS[kind], data, old.embedding_dim)
+            else:
+                bias = None if old.bias is None else torch.empty_like(old.bias, device="meta")
+                new = QuantLinear(FORMATS[kind], data, old.in_features, bias)
+        except ValueError as e:  # rows not whole blocks: not what a GGUF writer stores
+            raise ConfigError(f"{gguf.path.name}: {name}: {e}") from None
         if new.blocks.shape[0] != (old.num_embeddings if isinstance(old, torch.nn.Embedding) else old.out_features):
             raise ConfigError(f"{gguf.path.name}: {name} has {blocks.shape[0]} rows, the config implies another shape")
         setattr(parent, child, new)

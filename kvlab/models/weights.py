@@ -1,5 +1,6 @@
 """How a model's weight matrices are held while it runs: dense in the model's dtype, or as a GGUF
-file stores them, in blocks of 32 weights with an fp16 scale (``BlockFormat``).
+file stores them, in blocks of 32 weights with an fp16 scale, or k-quants' super-blocks of 256
+(``BlockFormat``).
 
 Decode reads every weight once per step, so its speed is the bytes held: SmolLM2-135M's Q4_1
 layers are 5 bits a weight in the file and 32 as fp32. A ``QuantLinear`` keeps the file's blocks
@@ -9,8 +10,8 @@ dequantises the whole weight and calls ``F.linear``, as the dense layer would on
 Either way a row's values are those of the dense fp32 model of the same file: the format changes
 the bytes read, never the tokens (``tests/test_weights.py`` holds it to the bit).
 
-The formats run as stored are those with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0. Other GGUF
-types (Q4_K, Q6_K...) are dequantised to dense fp32 at load (``kvlab.models.loader``).
+The formats run as stored are those with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K.
+Other GGUF types (Q5_1, Q5_K...) are dequantised to dense fp32 at load (``kvlab.models.loader``).
 """
 
 from __future__ import annotations
@@ -26,24 +27,32 @@ from kvlab.dtypes import GGUF_AS_STORED
 from kvlab.models.invariant import pad_rows
 
 QK = 32  # weights per block
+QK_K = 256  # weights per k-quant super-block
 
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """One GGUF block format: its name, its number in the native kernel (``blocks.h``) and the
-    bytes of one block of 32 weights."""
+    """One GGUF block format: its name, its number in the native kernel (``blocks.h``,
+    ``kblocks.h``), the bytes of one block and the weights in it (32, or a k-quant's 256)."""
 
     name: str
     code: int
     block_bytes: int
+    block: int = QK
 
     @property
     def bits(self) -> float:
         """Bits per weight, scales included (Q4_1: 5.0)."""
-        return self.block_bytes * 8 / QK
+        return self.block_bytes * 8 / self.block
 
     def row_bytes(self, k: int) -> int:
-        return k // QK * self.block_bytes
+        return k // self.block * self.block_bytes
+
+    def check_rows(self, blocks: Tensor, k: int) -> None:
+        """ValueError unless ``blocks`` holds rows of k weights in whole blocks (a GGUF writer
+        never stores a row in part of a block: llama.cpp falls back to another type)."""
+        if k % self.block or blocks.shape[-1] != self.row_bytes(k):
+            raise ValueError(f"{self.name} weight of {k} inputs: rows must be whole blocks of {self.block}")
 
     def dequantize(self, blocks: Tensor, k: int) -> Tensor:
         """The fp32 rows [N, k] of ``blocks`` [N, row_bytes(k)]: the native kernel where it runs,
@@ -57,6 +66,8 @@ class BlockFormat:
         d * q is exact in fp32, Q4_1's + m rounds once)."""
         n = blocks.shape[0]
         b = blocks.reshape(n, -1, self.block_bytes)
+        if self.name in _K_QUANTS:
+            return _K_QUANTS[self.name](b).reshape(n, -1)
         d = b[..., 0:2].contiguous().view(torch.float16).float()
         if self.name == "Q8_0":
             return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
@@ -73,8 +84,41 @@ class BlockFormat:
         return (d * (q - 8).float()).reshape(n, -1)
 
 
+def _half(b: Tensor) -> Tensor:
+    """fp16 values at the last axis's byte pairs (b [..., 2]), as fp32 (exact)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q4_k(b: Tensor) -> Tensor:
+    """Q4_K super-blocks b [n, blocks, 144] -> [n, blocks, 256], as gguf.quants.Q4_K: the 6-bit
+    scale and min of each sub-block of 32 times d and dmin (exact), w = dd * q - dm (the product
+    exact, one rounding)."""
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    s = b[..., 4:16].to(torch.int32)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # sub-blocks 4-7 take 2 bits from lo/mid
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 2) & 48)], -1)
+    m = torch.cat([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], -1)
+    qs = b[..., 16:].reshape(*b.shape[:2], 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    q = (qs & 15).reshape(*b.shape[:2], 8, 32).float()  # sub-block 2c + h: nibble h of bytes 32c..
+    return ((d * sc.float()).unsqueeze(-1) * q - (dmin * m.float()).unsqueeze(-1)).reshape(*b.shape[:2], QK_K)
+
+
+def _q6_k(b: Tensor) -> Tensor:
+    """Q6_K super-blocks b [n, blocks, 210] -> [n, blocks, 256], as gguf.quants.Q6_K: 4 low bits
+    from ql, 2 high from qh, w = (d * scale) * (q - 32), every product exact."""
+    lead = b.shape[:2]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    q = ((ql & 15).reshape(*lead, 8, 32) | ((qh & 3).reshape(*lead, 8, 32) << 4)).to(torch.int32) - 32
+    scale = _half(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
+    return (scale.unsqueeze(-1) * q.reshape(*lead, 16, 16).float()).reshape(*lead, QK_K)
+
+
+_K_QUANTS = {"Q4_K": _q4_k, "Q6_K": _q6_k}
+
 FORMATS = {f.name: f for f in (BlockFormat("Q8_0", 1, 34), BlockFormat("Q4_0", 2, 18),
-                               BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 4, 22))}
+                               BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 4, 22),
+                               BlockFormat("Q4_K", 5, 144, QK_K), BlockFormat("Q6_K", 6, 210, QK_K))}
 # the planner counts a GGUF file's bytes by kvlab.dtypes' torch-free list: it must be this one
 assert tuple(FORMATS) == GGUF_AS_STORED, f"kvlab.dtypes.GGUF_AS_STORED is not {tuple(FORMATS)}"
 
@@ -88,8 +132,8 @@ def check_format(name: str) -> BlockFormat:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight stays in a block format: ``blocks`` [out, in / 32 x block
-    bytes] (uint8). fp32 rows up to ``native_rows`` (as ``Linear``: by default the native
+    """A linear layer whose weight stays in a block format: ``blocks`` [out, in / block weights
+    x block bytes] (uint8). fp32 rows up to ``native_rows`` (as ``Linear``: by default the native
     kernel's row limit; deterministic mode: all) go through ``kernels.linear_q``; more rows, or
     where the kernel cannot run, dequantise and ``F.linear`` (rows padded to ``row_block``):
     the same choices, on the same values, as a dense fp32 ``Linear`` makes."""
@@ -101,8 +145,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, fmt: BlockFormat, blocks: Tensor, in_features: int, bias: Tensor | None = None) -> None:
         super().__init__()
-        if in_features % QK or blocks.shape[-1] != fmt.row_bytes(in_features):
-            raise ValueError(f"{fmt.name} weight of {in_features} inputs: rows must be whole blocks of {QK}")
+        fmt.check_rows(blocks, in_features)
         self.format, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -143,6 +186,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, fmt: BlockFormat, blocks: Tensor, dim: int) -> None:
         super().__init__()
+        fmt.check_rows(blocks, dim)
         self.format, self.embedding_dim, self.num_embeddings = fmt, dim, blocks.shape[0]
         self.register_buffer("blocks", blocks)
 
