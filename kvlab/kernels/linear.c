@@ -61,14 +61,34 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
         }
 }
 
-/* tile() for fp32 rows against a weight in block format fmt (K a multiple of 32): the same chain
- * of FMAs, each block of 32 weights dequantised as it is loaded. Each row of the tile is
- * prefetched PF_TILES tiles ahead, block by block: a row is read a few bytes a step, too slowly
- * for the hardware prefetcher alone (measured: half the rate from DRAM without it). */
+/* A block format's unit of storage: a k-quant's super-block of 8 blocks of 32 weights
+ * (kblocks.h), else one block of 32 (blocks.h). fmt is a constant wherever these inline. */
+#define IS_K(fmt) ((fmt) == Q4_K || (fmt) == Q6_K)
+#define UNIT_BYTES(fmt) (IS_K(fmt) ? KBLOCK_BYTES(fmt) : BLOCK_BYTES[fmt])
+#define UNIT_BLOCKS(fmt) (IS_K(fmt) ? QK_K / QK : 1)
+
+/* Block s of the unit at u as fp32, in four groups of 8 (qblock8 / kblock8). */
+static inline __attribute__((always_inline)) void block8(const uint8_t *u, int s, const int fmt, __m256 out[4]) {
+    if (IS_K(fmt)) kblock8(u, s, fmt, out);
+    else qblock8(u, fmt, out);
+}
+
+/* The same for two rows' units at once (qblock16 / kblock16). */
+static inline T512 void block16(const uint8_t *a, const uint8_t *b, int s, const int fmt, __m512 out[4]) {
+    if (IS_K(fmt)) kblock16(a, b, s, fmt, out);
+    else qblock16(a, b, fmt, out);
+}
+
+/* tile() for fp32 rows against a weight in block format fmt (K a multiple of its unit): the same
+ * chain of FMAs, each block of 32 weights dequantised as it is loaded, a row's whole unit before
+ * the next row's (k-quants, measured: 1.5-2.7x the rate of interleaving rows per 32 weights,
+ * AVX2). Each row of the tile is prefetched PF_TILES tiles ahead, unit by unit, every 64 bytes of
+ * it: a row is read a few bytes a step, too slowly for the hardware prefetcher alone (measured:
+ * half the rate from DRAM without it). */
 static inline __attribute__((always_inline)) void qtile(const float *x, const uint8_t *w, const float *b,
                                                         float *y, long m0, const int mb, long n0,
                                                         const int nb, long nn, long N, long K, const int fmt) {
-    const long bb = BLOCK_BYTES[fmt], rb = K / QK * bb;
+    const long ub = UNIT_BYTES(fmt), us = UNIT_BLOCKS(fmt), uk = us * QK, rb = K / uk * ub;
     const uint8_t *wr[NB_MAX];
     const float *xr[MB];
     for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
@@ -76,15 +96,18 @@ static inline __attribute__((always_inline)) void qtile(const float *x, const ui
     __m256 acc[MB][NB_MAX];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps();
-    for (long kb = 0; kb < K / QK; kb++) {
-        for (int j = 0; j < nb; j++) _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + kb * bb), _MM_HINT_T0);
-        for (int j = 0; j < nb; j++) {
-            __m256 wv[4];
-            qblock8(wr[j] + kb * bb, fmt, wv);
-            for (int i = 0; i < mb; i++)
-                for (int g = 0; g < 4; g++)
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + kb * QK + 8 * g), wv[g], acc[i][j]);
-        }
+    for (long ku = 0; ku < K / uk; ku++) {
+        for (int j = 0; j < nb; j++)
+            for (long l = 0; l < ub; l += 64)
+                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + ku * ub + l), _MM_HINT_T0);
+        for (int j = 0; j < nb; j++)
+            for (int sb = 0; sb < us; sb++) {
+                __m256 wv[4];
+                block8(wr[j] + ku * ub, sb, fmt, wv);
+                for (int i = 0; i < mb; i++)
+                    for (int g = 0; g < 4; g++)
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + ku * uk + QK * sb + 8 * g), wv[g], acc[i][j]);
+            }
     }
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nn; j++) {
@@ -98,7 +121,7 @@ static inline __attribute__((always_inline)) void qtile(const float *x, const ui
  * the 8-lane chain of qtile, so the same bits at about half the instructions per weight. */
 static inline T512 void qtile512(const float *x, const uint8_t *w, const float *b, float *y, long m0,
                                  const int mb, long n0, const int nb, long nn, long N, long K, const int fmt) {
-    const long bb = BLOCK_BYTES[fmt], rb = K / QK * bb;
+    const long ub = UNIT_BYTES(fmt), us = UNIT_BLOCKS(fmt), uk = us * QK, rb = K / uk * ub;
     const uint8_t *wr[NB_MAX];
     const float *xr[MB];
     for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
@@ -106,16 +129,19 @@ static inline T512 void qtile512(const float *x, const uint8_t *w, const float *
     __m512 acc[MB][NB_MAX / 2];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nb / 2; j++) acc[i][j] = _mm512_setzero_ps();
-    for (long kb = 0; kb < K / QK; kb++) {
-        for (int j = 0; j < nb; j++) _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + kb * bb), _MM_HINT_T0);
-        for (int j = 0; j < nb / 2; j++) {
-            __m512 wv[4];
-            qblock16(wr[2 * j] + kb * bb, wr[2 * j + 1] + kb * bb, fmt, wv);
-            for (int i = 0; i < mb; i++)
-                for (int g = 0; g < 4; g++)
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(xr[i] + kb * QK + 8 * g)),
-                                                wv[g], acc[i][j]);
-        }
+    for (long ku = 0; ku < K / uk; ku++) {
+        for (int j = 0; j < nb; j++)
+            for (long l = 0; l < ub; l += 64)
+                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + ku * ub + l), _MM_HINT_T0);
+        for (int j = 0; j < nb / 2; j++)
+            for (int sb = 0; sb < us; sb++) {
+                __m512 wv[4];
+                block16(wr[2 * j] + ku * ub, wr[2 * j + 1] + ku * ub, sb, fmt, wv);
+                for (int i = 0; i < mb; i++)
+                    for (int g = 0; g < 4; g++)
+                        acc[i][j] = _mm512_fmadd_ps(
+                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xr[i] + ku * uk + QK * sb + 8 * g)), wv[g], acc[i][j]);
+            }
     }
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nn; j++) {
@@ -147,83 +173,6 @@ static inline T512 void qtile512(const float *x, const uint8_t *w, const float *
 QTILES(qtiles, qtile, __attribute__((always_inline)))
 QTILES(qtiles512_fmt, qtile512, T512)
 
-/* --- k-quants (kblocks.h): super-blocks of 256 weights, K a multiple of 256 ------------------- */
-
-/* qtile for a weight in k-quant format fmt: the same chain of FMAs (k in order, 8 lanes, one
- * chain per output), each super-block dequantised 32 weights at a time as it is loaded, a row's
- * whole super-block before the next row's (measured: 1.5-2.7x the rate of interleaving rows per
- * 32 weights, AVX2). A super-block spans 3-4 cache lines: one prefetch per 64 bytes covers each
- * row's every line. */
-static inline __attribute__((always_inline)) void ktile(const float *x, const uint8_t *w, const float *b,
-                                                        float *y, long m0, const int mb, long n0,
-                                                        const int nb, long nn, long N, long K, const int fmt) {
-    const long bb = KBLOCK_BYTES(fmt), rb = K / QK_K * bb;
-    const uint8_t *wr[NB_MAX];
-    const float *xr[MB];
-    for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
-    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * K;
-    __m256 acc[MB][NB_MAX];
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps();
-    for (long ks = 0; ks < K / QK_K; ks++) {
-        for (int j = 0; j < nb; j++)
-            for (long l = 0; l < bb; l += 64)
-                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + ks * bb + l), _MM_HINT_T0);
-        for (int j = 0; j < nb; j++)
-            for (int s = 0; s < QK_K / QK; s++) {
-                __m256 wv[4];
-                kblock8(wr[j] + ks * bb, s, fmt, wv);
-                for (int i = 0; i < mb; i++)
-                    for (int g = 0; g < 4; g++)
-                        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + ks * QK_K + QK * s + 8 * g), wv[g], acc[i][j]);
-            }
-    }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nn; j++) {
-            float s = hsum(acc[i][j]);
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
-        }
-}
-
-/* ktile with AVX-512, as qtile512 is qtile's: weight rows in pairs (kblock16), each half of a
- * zmm the 8-lane chain of ktile, so the same bits. */
-static inline T512 void ktile512(const float *x, const uint8_t *w, const float *b, float *y, long m0,
-                                 const int mb, long n0, const int nb, long nn, long N, long K, const int fmt) {
-    const long bb = KBLOCK_BYTES(fmt), rb = K / QK_K * bb;
-    const uint8_t *wr[NB_MAX];
-    const float *xr[MB];
-    for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;
-    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * K;
-    __m512 acc[MB][NB_MAX / 2];
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nb / 2; j++) acc[i][j] = _mm512_setzero_ps();
-    for (long ks = 0; ks < K / QK_K; ks++) {
-        for (int j = 0; j < nb; j++)
-            for (long l = 0; l < bb; l += 64)
-                _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + ks * bb + l), _MM_HINT_T0);
-        for (int j = 0; j < nb / 2; j++)
-            for (int s = 0; s < QK_K / QK; s++) {
-                __m512 wv[4];
-                kblock16(wr[2 * j] + ks * bb, wr[2 * j + 1] + ks * bb, s, fmt, wv);
-                for (int i = 0; i < mb; i++)
-                    for (int g = 0; g < 4; g++)
-                        acc[i][j] = _mm512_fmadd_ps(
-                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xr[i] + ks * QK_K + QK * s + 8 * g)), wv[g], acc[i][j]);
-            }
-    }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nn; j++) {
-            __m256 half = j % 2 ? _mm512_extractf32x8_ps(acc[i][j / 2], 1) : _mm512_castps512_ps256(acc[i][j / 2]);
-            float s = hsum(half);
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
-        }
-}
-
-QTILES(ktiles, ktile, __attribute__((always_inline)))
-QTILES(ktiles512, ktile512, T512)
-
 /* kvlab_dequantize's arguments, for the pool's chunks of blocks (pool.h). */
 typedef struct {
     const uint8_t *w;
@@ -231,20 +180,6 @@ typedef struct {
     int fmt;
 } dequantize_job;
 
-/* kvlab_dequantize for the k-quants: super-blocks [i0, i1). */
-static void kdequantize(void *arg, long i0, long i1) {
-    const dequantize_job *job = arg;
-    const long bb = KBLOCK_BYTES(job->fmt);
-    for (long i = i0; i < i1; i++)
-        for (int s = 0; s < QK_K / QK; s++) {
-            __m256 v[4];
-            if (job->fmt == Q4_K) kblock8(job->w + i * bb, s, Q4_K, v);
-            else kblock8(job->w + i * bb, s, Q6_K, v);
-            for (int g = 0; g < 4; g++) _mm256_storeu_ps(job->out + i * QK_K + QK * s + 8 * g, v[g]);
-        }
-}
-
-/* --- end of k-quants ---------------------------------------------------------------------------- */
 
 /* Not inlined into linear(): its AVX-512 code runs only where kvlab_set_avx512 found the CPU's. */
 static __attribute__((target("avx2,fma,f16c,avx512f,avx512dq"), noinline)) void
@@ -253,8 +188,8 @@ qtiles512(const float *x, const kvlab_part *part, long n0, int nb, long block, l
     case Q8_0: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q8_0); break;
     case Q4_0: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_0); break;
     case Q4_1: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_1); break;
-    case Q4_K: ktiles512(x, part, n0, nb, block, end, M, K, Q4_K); break;
-    case Q6_K: ktiles512(x, part, n0, nb, block, end, M, K, Q6_K); break;
+    case Q4_K: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q4_K); break;
+    case Q6_K: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q6_K); break;
     default: qtiles512_fmt(x, part, n0, nb, block, end, M, K, Q5_0); break;
     }
 }
@@ -288,8 +223,8 @@ static inline __attribute__((always_inline)) void linear_tiles(const linear_job 
             case Q8_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q8_0); break;
             case Q4_0: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_0); break;
             case Q4_1: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_1); break;
-            case Q4_K: ktiles(x, &parts[p], q0, nb, block, end, M, K, Q4_K); break;
-            case Q6_K: ktiles(x, &parts[p], q0, nb, block, end, M, K, Q6_K); break;
+            case Q4_K: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q4_K); break;
+            case Q6_K: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q6_K); break;
             default: qtiles(x, &parts[p], q0, nb, block, end, M, K, Q5_0); break;
             }
             continue;
@@ -359,18 +294,27 @@ void kvlab_linear_q(const float *x, const uint8_t *w, const float *b, float *y, 
     linear(x, &part, 1, M, K, threads, 0, 0);
 }
 
-static void dequantize_blocks(void *arg, long i0, long i1) {
-    const dequantize_job *job = arg;
-    const long bb = BLOCK_BYTES[job->fmt];
-    for (long i = i0; i < i1; i++) {
-        __m256 v[4];
-        switch (job->fmt) {
-        case Q8_0: qblock8(job->w + i * bb, Q8_0, v); break;
-        case Q4_0: qblock8(job->w + i * bb, Q4_0, v); break;
-        case Q4_1: qblock8(job->w + i * bb, Q4_1, v); break;
-        default: qblock8(job->w + i * bb, Q5_0, v); break;
+/* Units [i0, i1) in format fmt (a constant once inlined). */
+static inline __attribute__((always_inline)) void dequantize_fmt(const dequantize_job *job, long i0, long i1,
+                                                                 const int fmt) {
+    const long ub = UNIT_BYTES(fmt), us = UNIT_BLOCKS(fmt);
+    for (long i = i0; i < i1; i++)
+        for (int sb = 0; sb < us; sb++) {
+            __m256 v[4];
+            block8(job->w + i * ub, sb, fmt, v);
+            for (int g = 0; g < 4; g++) _mm256_storeu_ps(job->out + (i * us + sb) * QK + 8 * g, v[g]);
         }
-        for (int g = 0; g < 4; g++) _mm256_storeu_ps(job->out + i * QK + 8 * g, v[g]);
+}
+
+static void dequantize_units(void *arg, long i0, long i1) {
+    const dequantize_job *job = arg;
+    switch (job->fmt) {
+    case Q8_0: dequantize_fmt(job, i0, i1, Q8_0); break;
+    case Q4_0: dequantize_fmt(job, i0, i1, Q4_0); break;
+    case Q4_1: dequantize_fmt(job, i0, i1, Q4_1); break;
+    case Q4_K: dequantize_fmt(job, i0, i1, Q4_K); break;
+    case Q6_K: dequantize_fmt(job, i0, i1, Q6_K); break;
+    default: dequantize_fmt(job, i0, i1, Q5_0); break;
     }
 }
 
@@ -378,8 +322,7 @@ static void dequantize_blocks(void *arg, long i0, long i1) {
  * gguf.quants'. */
 void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, int threads) {
     dequantize_job job = {w, out, fmt};
-    if (fmt == Q4_K || fmt == Q6_K) kvlab_parallel(rows * (K / QK_K), 256, threads, kdequantize, &job);
-    else kvlab_parallel(rows * (K / QK), 2048, threads, dequantize_blocks, &job);
+    kvlab_parallel(rows * (K / (QK * UNIT_BLOCKS(fmt))), 2048 / UNIT_BLOCKS(fmt), threads, dequantize_units, &job);
 }
 
 /* Take the AVX-512 loops if asked and this CPU (and its OS) has AVX-512 F and DQ; returns
