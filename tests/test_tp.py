@@ -245,6 +245,24 @@ def test_ranks_hold_their_share_of_the_stored_blocks(tmp_path, qtype):
             assert isinstance(layer.self_attn.q_proj, QuantLinear)
 
 
+def test_a_k_quant_split_keeps_blocks_only_on_its_256_weight_edges(tmp_path):
+    """Q4_K (hidden 256, FFN 512) at tp=2: down_proj's split at 256 inputs keeps its
+    super-blocks; o_proj's at 128 would cut one, so that layer alone is dense fp32."""
+    from tests.test_weights import _checkpoint
+
+    folder = _checkpoint(tmp_path / "hf", "llama", Q.Q4_K)
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_K)
+    whole = load(tmp_path / "m.gguf", weights="as-stored").model
+    for rank in (0, 1):
+        shard = shard_model(copy.deepcopy(whole), rank, 2)
+        for layer, full in zip(shard.model.layers, whole.model.layers):
+            down, o = layer.mlp.down_proj, layer.self_attn.o_proj
+            assert isinstance(down, RowParallelQuantLinear) and down.in_features == 256
+            assert down.blocks.nbytes * 2 == full.mlp.down_proj.blocks.nbytes
+            assert type(o) is RowParallelLinear and o.in_features == 128
+            assert torch.equal(o.weight, full.self_attn.o_proj.dense()[:, 128 * rank:128 * (rank + 1)])
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_stored_blocks_give_the_tp1_tokens_and_logprobs(tmp_path, tp):
     """Q4_1 as stored over 2 ranks (every layer in blocks) and 4 (o_proj dense): the tp=1 greedy

@@ -14,7 +14,7 @@ skip it. Attention itself is untouched: a rank attends over its own heads and it
 Stored GGUF blocks (``QuantLinear``, ``QuantEmbedding``) stay stored on every rank: a
 column-parallel layer keeps its rows' blocks (a row is whole blocks), a row-parallel one the
 blocks of its columns, where its split falls on a block edge (a multiple of 32 inputs); where it
-does not, that layer alone is dequantised to dense fp32 on that rank. The replicated embedding and
+does not (a k-quant's blocks are 256 wide), that layer alone is dequantised to dense fp32 on that rank. The replicated embedding and
 rank 0's LM head (tied: the embedding's blocks) stay as stored too, so a rank holds about its N-th
 of the packed layers plus the embedding (``held_bytes``).
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from kvlab.models.llama import CausalLM, Linear
-from kvlab.models.weights import QK, BlockFormat, QuantLinear, held_bytes
+from kvlab.models.weights import BlockFormat, QuantLinear, held_bytes
 from kvlab.spec import rank_kv_heads
 
 
@@ -102,12 +102,12 @@ def _rows(linear: Linear | QuantLinear, start: int, end: int) -> None:
 def _columns(linear: Linear | QuantLinear, start: int, end: int,
              group: dist.ProcessGroup | None) -> RowParallelLinear | RowParallelQuantLinear:
     """Input columns [start, end) of a linear layer, as a row-parallel layer. A stored layer keeps
-    the blocks of those columns if start and end are block edges (multiples of 32); else a block
+    the blocks of those columns if start and end are block edges (multiples of 32, a k-quant's 256); else a block
     would straddle two ranks, so this layer is dequantised and its slice held as dense fp32."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
     if isinstance(linear, QuantLinear):
         fmt = linear.format
-        if start % QK == 0 and end % QK == 0:
+        if start % fmt.block == 0 and end % fmt.block == 0:
             blocks = linear.blocks[:, fmt.row_bytes(start):fmt.row_bytes(end)].clone()
             return RowParallelQuantLinear(fmt, blocks, end - start, bias, group)
         return RowParallelLinear(linear.dense()[:, start:end].clone(), bias, group)
