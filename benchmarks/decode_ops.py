@@ -33,8 +33,8 @@ GROUPS = {
                   "aten::_softmax", "aten::softmax", "kvlab::paged_attention"),
     "cache reads and writes": ("aten::index_select", "aten::index_put_", "aten::index_copy_", "aten::index",
                                "kvlab::store_kv"),
-    # kvlab.kernels.decoder_layer: a layer's matmuls, attention and small ops in one native call
-    "whole native layers": ("kvlab::decoder_layer",),
+    # kvlab.kernels.decoder_layers: the layers's matmuls, attention and small ops in one native call
+    "whole native layers": ("kvlab::decoder_layers",),
 }
 
 

@@ -234,7 +234,7 @@ def tiny(dtype: str, **over):
                                                           ("bf16", "fp32", False)])
 def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dtype, kv_dtype, deterministic,
                                                                              onednn, monkeypatch):
-    """One native call per layer (``kvlab.kernels.decoder_layer``) against the layer's modules
+    """One native call for the layers (``kvlab.kernels.decoder_layers``) against the layers' modules
     calling the same kernels op by op: the same bits, so a step may take either path (deterministic
     mode runs a step with a scored span through the modules). Biases (Qwen2's q/k/v), a window,
     batched decodes and prompts. Per dispatch choice: with oneDNN's bf16 branch off (an AVX2 CPU's
@@ -255,8 +255,8 @@ def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dty
     prompts = [[1, 2, 3], list(range(5, 40)), list(range(60, 70)) * 3]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
     calls = []
-    fused = kernels.decoder_layer
-    monkeypatch.setattr(kernels, "decoder_layer", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+    fused = kernels.decoder_layers
+    monkeypatch.setattr(kernels, "decoder_layers", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
 
     def run():
         llm = LLM(model, kv_dtype=kv_dtype, max_num_batched_tokens=32, deterministic=deterministic)
@@ -274,6 +274,32 @@ def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dty
     by_modules = run()
     assert not calls
     assert one_call == by_modules
+
+
+def test_the_native_stack_is_gathered_once_and_again_after_a_weight_moves(monkeypatch):
+    """``CausalLM.native_stack`` gathers the layers' weights once, not per step; a prompt past the
+    linear kernel's rows runs through the modules without spoiling that (decode still gathers);
+    and a weight moved under it (``.data =``) is gathered again, giving the modules' tokens."""
+    native()
+    from kvlab.engine.llm import LLM
+    from kvlab.models.llama import DecoderLayer
+    from kvlab.sampling import SamplingParams
+
+    model = tiny("fp32", num_hidden_layers=3)
+    built = []
+    real = kernels.LayerStack
+    monkeypatch.setattr(kernels, "LayerStack", lambda layers: built.append(len(layers)) or real(layers))
+    llm = LLM(model, deterministic=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(1, 2 + kernels.MAX_ROWS))  # past the kernel's rows: the modules run it
+    llm.generate([prompt], params)
+    assert built == [3]  # eight decode steps, one gathering of all three layers
+    weight = model.model.layers[1].mlp.up_proj.weight
+    weight.data = weight.data * 0.5
+    stacked = llm.generate([prompt], params)[0].token_ids
+    assert built == [3, 3]
+    monkeypatch.setattr(DecoderLayer, "native_weights", lambda self, x: None)
+    assert llm.generate([prompt], params)[0].token_ids == stacked
 
 
 def test_the_native_decoder_layer_runs_only_where_every_op_is_native(monkeypatch):
@@ -294,7 +320,6 @@ def test_the_native_decoder_layer_runs_only_where_every_op_is_native(monkeypatch
         layer.self_attn.k_proj.weight = torch.nn.Parameter(layer.self_attn.k_proj.weight.clone())
         assert layer.native_weights(x).weights[3] is layer.self_attn.k_proj.weight
         layer.mlp.up_proj.weight.data = layer.mlp.up_proj.weight.data.clone()
-        assert layer.native_weights(x) is None  # the call that notices
         assert layer.native_weights(x).addresses[12] == layer.mlp.up_proj.weight.data_ptr()
         layer.mlp.down_proj.native_rows = 2
         assert layer.native_weights(x) is None

@@ -181,32 +181,49 @@ class PagedAttention:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.steps: list[GroupStep] = []
+        # (layers, dtype) -> where those layers' K/V lie for the native stack (None: some layer's
+        # cache is not one the native attention reads): a cache's tensors stay put for its life
+        self.native_caches: dict[tuple[tuple[tuple[int, int], ...], torch.dtype], kernels.CacheLayout | None] = {}
+        self.rows: list[kernels.StepRows | None] | None = None
 
     def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
         self.steps = [build_group_step(spans, gi, g, self.cache.block_size, device)
                       for gi, g in enumerate(self.cache.groups)]
-        self.layouts: dict[int, tuple[Tensor, ...] | None] = {}  # per group, at its first layer
+        self.rows = None  # each group's, at the first native_layout of the step
 
-    def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> kernels.RowsLayout | None:
-        """See ``NativeAttention``: the layout is built once per group and step."""
-        plain = self.cache.plain(layer_idx)
-        if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
+    def native_layout(self, layers: tuple[tuple[int, int], ...], dtype: torch.dtype
+                      ) -> tuple[kernels.CacheLayout, list[kernels.StepRows]] | None:
+        """See ``NativeAttention``: each group's rows are laid out once a step."""
+        key = (layers, dtype)
+        if key not in self.native_caches:
+            self.native_caches[key] = self._cache_layout(layers, dtype)
+        caches = self.native_caches[key]
+        if caches is None:
             return None
-        gi = self.cache.group_of[layer_idx]
-        if gi not in self.layouts:
-            self.layouts[gi] = self._native_indices(layer_idx)
-        layout = self.layouts[gi]
-        return None if layout is None else kernels.RowsLayout(*plain, *layout)
+        if self.rows is None:
+            self.rows = [self._native_rows(gi) for gi in range(len(self.cache.groups))]
+        if any(r is None for r in self.rows):
+            return None
+        return caches, self.rows  # type: ignore[return-value]
 
-    def _native_indices(self, layer_idx: int) -> tuple[Tensor, ...] | None:
+    def _cache_layout(self, layers: tuple[tuple[int, int], ...], dtype: torch.dtype) -> kernels.CacheLayout | None:
+        caches = []
+        for layer_idx, heads in layers:
+            plain = self.cache.plain(layer_idx)
+            if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
+                return None
+            caches.append(plain)
+        return kernels.CacheLayout(caches, [self.cache.group_of[i] for i, _ in layers])
+
+    def _native_rows(self, gi: int) -> kernels.StepRows | None:
         """A decode-only step (one bucket, every row): its write slots, key slots, seqs, starts
         and lengths."""
-        step = self.steps[self.cache.group_of[layer_idx]]
+        step = self.steps[gi]
         if len(step.decodes) != 1 or not step.decodes[0].all_rows:
             return None
         b = step.decodes[0]
-        return _indices(step.slot_mapping, b.key_slots, torch.arange(len(b.lengths)),
-                        torch.zeros(len(b.lengths), dtype=torch.long), b.lengths)
+        return kernels.StepRows(*_indices(step.slot_mapping, b.key_slots, torch.arange(len(b.lengths)),
+                                          torch.zeros(len(b.lengths), dtype=torch.long), b.lengths))
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step = self.steps[self.cache.group_of[layer_idx]]
@@ -358,27 +375,26 @@ class InvariantAttention(PagedAttention):
     def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
         # laid out per group at its first layer, when the queries' dtype says which path runs
         self.spans, self.device, self.split_steps = spans, device, {}
-        self.layouts = {}
+        self.rows = None
 
-    def _group_step(self, layer_idx: int, native: bool) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
-        gi = self.cache.group_of[layer_idx]
+    def _group_step(self, gi: int, native: bool) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
         if gi not in self.split_steps:
             self.split_steps[gi] = build_split_spans(self.spans, gi, self.cache.groups[gi],
                                                      self.cache.block_size, self.device, native)
         return self.split_steps[gi]
 
-    def _native_indices(self, layer_idx: int) -> tuple[Tensor, ...] | None:
+    def _native_rows(self, gi: int) -> kernels.StepRows | None:
         """A step whose every row runs one by one through the native attention (no scored
         spans)."""
-        mapping, spans, rowwise = self._group_step(layer_idx, True)
+        mapping, spans, rowwise = self._group_step(gi, True)
         if rowwise is None or spans:
             return None
-        return _indices(mapping, rowwise.slots, rowwise.seqs, rowwise.starts, rowwise.lengths)
+        return kernels.StepRows(*_indices(mapping, rowwise.slots, rowwise.seqs, rowwise.starts, rowwise.lengths))
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plain = self.cache.plain(layer_idx)
         native = plain is not None and kernels.attention_usable(q, *plain)
-        mapping, spans, rowwise = self._group_step(layer_idx, native)
+        mapping, spans, rowwise = self._group_step(self.cache.group_of[layer_idx], native)
         self.cache.write(layer_idx, k, v, mapping)
         if rowwise is not None and not spans:  # every row, in order: no gather or scatter
             assert plain is not None

@@ -16,8 +16,8 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
 - ``rms_norm``, ``rope_``, ``store_kv``, ``silu_mul_`` (``rowwise.c``): the small ops between a
   layer's matmuls, one call each instead of 2-10 PyTorch ops, whose dispatch dominated them at
   batch 1.
-- ``decoder_layer`` (``layer.c``): a whole Llama-form decoder layer by the kernels above in one
-  call, bitwise the same as the layer's modules running them one by one.
+- ``decoder_layers`` (``layer.c``): a stack of Llama-form decoder layers by the kernels above in
+  one call, bitwise the same as the layers' modules running them one by one.
 
 Their loops run on kvlab's own thread pool (``pool.c``, ``torch.get_num_threads()`` threads),
 whose caller never waits for a thread that is not running: a decode step keeps its pace beside
@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import math
 import os
 import platform
@@ -116,9 +117,8 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
                      (lib.kvlab_store_kv, [p, p, n, n, p, p, p, n, n, n, n, n, i, i]),
                      (lib.kvlab_silu_mul, [p, p, n, i, i])):
         fn.argtypes, fn.restype = args, None
-    lib.kvlab_decoder_layer.argtypes = [p, p, n, n, n, n, n, n, f, p, p, p, p, p, p, n, i, p, p, n, p, p, p,
-                                        i, i]
-    lib.kvlab_decoder_layer.restype = ctypes.c_int
+    lib.kvlab_decoder_layers.argtypes = [p, p, p, i, n, n, p, p, p, p, i, i]
+    lib.kvlab_decoder_layers.restype = ctypes.c_int
     lib.kvlab_set_avx512.argtypes, lib.kvlab_set_avx512.restype = [ctypes.c_int], ctypes.c_int
     wide = bool(lib.kvlab_set_avx512(int(not dispatch.switched_off("KVLAB_AVX512"))))
     return lib, Status(True, str(path), wide)
@@ -343,22 +343,40 @@ def silu_mul_(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class RowsLayout:
-    """A step's rows as the native attention reads them: row r's new K/V go to ``write_slots[r]``
-    of the caches [KV, blocks, block_size, D], and it attends to ``slots[seqs[r],
-    starts[r]:starts[r] + lengths[r]]`` (all int64, contiguous)."""
+class StepRows:
+    """A step's rows as the native attention reads a cache: row r's new K/V go to
+    ``write_slots[r]``, and it attends to ``slots[seqs[r], starts[r]:starts[r] + lengths[r]]``
+    (all int64, contiguous). The layers of one cache group share them."""
 
-    k_cache: Tensor
-    v_cache: Tensor
     write_slots: Tensor
     slots: Tensor
     seqs: Tensor
     starts: Tensor
     lengths: Tensor
 
+    def args(self) -> tuple[int, ...]:
+        """This group's row of ``kvlab_decoder_layers``'s rows array."""
+        return (self.write_slots.data_ptr(), self.slots.data_ptr(), self.slots.shape[1], self.seqs.data_ptr(),
+                self.starts.data_ptr(), self.lengths.data_ptr())
+
+
+class CacheLayout:
+    """Each layer of a stack: its K and V caches [KV, blocks, block_size, D] (fp32 or bf16,
+    contiguous) and the group of the step's rows it reads (``StepRows``), packed once for
+    ``decoder_layers``: a cache's tensors stay where they are for its life."""
+
+    def __init__(self, caches: list[tuple[Tensor, Tensor]], groups: list[int]) -> None:
+        self.caches = caches
+        self.array = (ctypes.c_int64 * (6 * len(caches)))(*itertools.chain.from_iterable(
+            (k.data_ptr(), v.data_ptr(), k.shape[-1], k.shape[1] * k.shape[2], int(k.dtype == torch.bfloat16), g)
+            for (k, v), g in zip(caches, groups)))
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
 
 class LayerWeights:
-    """A decoder layer's weights for ``decoder_layer``: the input norm's, q, q bias, k, k bias, v,
+    """A decoder layer's weights for ``decoder_layers``: the input norm's, q, q bias, k, k bias, v,
     v bias, o, o bias, the post-attention norm's, gate, gate bias, up, up bias, down, down bias
     (None: no bias), with their addresses packed once for the call; ``formats``: the seven
     matrices' (q, k, v, o, gate, up, down), 0 for dense, else the block format of a uint8 weight
@@ -373,32 +391,62 @@ class LayerWeights:
         self.format_array = (ctypes.c_int * 7)(*formats)
         self.inter = weights[10].shape[0]
 
+    def moved(self) -> bool:
+        """Is some tensor no longer where it was packed (a cast, ``.to()`` or ``.data =``)?"""
+        return any(w is not None and w.data_ptr() != a for w, a in zip(self.weights, self.addresses))
+
     def fit(self, dtype: torch.dtype) -> bool:
         """Every tensor (but the block-format weights) of this dtype, the blocks with fp32 rows
-        only; all contiguous and still where they were packed (``.to()`` moves them)."""
+        only; all contiguous and still where they were packed."""
         if any(self.formats) and dtype != torch.float32:
             return False
-        return all(w is None or ((w.dtype == dtype or w.dtype == torch.uint8) and w.is_contiguous()
-                                 and w.data_ptr() == a) for w, a in zip(self.weights, self.addresses))
+        return not self.moved() and all(w is None or ((w.dtype == dtype or w.dtype == torch.uint8)
+                                                      and w.is_contiguous()) for w in self.weights)
 
 
-def decoder_layer(x: Tensor, weights: LayerWeights, heads: int, kv_heads: int, eps: float,
-                  cos: Tensor, sin: Tensor, layout: RowsLayout) -> Tensor:
-    """A Llama-form decoder layer on x [M, hidden] (contiguous; ``weights.fit(x.dtype)``, fp32 or
-    bf16); cos, sin [M, head_dim]. Writes the rows' K/V to the cache; returns the layer's
-    output."""
+class _Layer(ctypes.Structure):
+    """layer.c's kvlab_layer."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("fmt", ctypes.c_void_p), ("H", ctypes.c_long), ("KV", ctypes.c_long),
+                ("I", ctypes.c_long), ("eps", ctypes.c_float)]
+
+
+class LayerStack:
+    """Decoder layers for ``decoder_layers``: each one's (weights, heads, KV heads, norm eps),
+    packed once into the array the native call reads."""
+
+    def __init__(self, layers: list[tuple[LayerWeights, int, int, float]]) -> None:
+        self.layers = layers
+        self.array = (_Layer * len(layers))(*[
+            _Layer(ctypes.addressof(w.pointers), ctypes.addressof(w.format_array), h, kv, w.inter, eps)
+            for w, h, kv, eps in layers])
+        self.tensors = [t for w, *_ in layers for t in w.weights if t is not None]
+        self.addresses = [t.data_ptr() for t in self.tensors]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def moved(self) -> bool:
+        """Is some weight no longer where it was packed (a cast, ``.to()`` or ``.data =``)?"""
+        return [t.data_ptr() for t in self.tensors] != self.addresses
+
+
+def decoder_layers(x: Tensor, stack: LayerStack, caches: CacheLayout, rows: list[StepRows], cos: Tensor,
+                   sin: Tensor) -> Tensor:
+    """Llama-form decoder layers, one after another, on x [M, hidden] (contiguous; every layer's
+    ``weights.fit(x.dtype)``, fp32 or bf16) in one native call; cos, sin [M, head_dim]; caches:
+    each layer's; rows: each cache group's rows this step. Writes the rows' K/V to each layer's
+    cache; returns the last layer's output, bitwise what the layers' modules give on the same
+    kernels."""
     lib = _load()[0]
-    assert lib is not None
+    assert lib is not None and len(caches) == len(stack)
     m, hidden = x.shape
-    kc, vc = layout.k_cache, layout.v_cache
+    groups = (ctypes.c_int64 * (6 * len(rows)))(*itertools.chain.from_iterable(map(StepRows.args, rows)))
     out = torch.empty_like(x)
-    with _profiled("kvlab::decoder_layer"):
-        failed = lib.kvlab_decoder_layer(
-            weights.pointers, weights.format_array, m, hidden, heads, kv_heads, kc.shape[-1], weights.inter, eps,
-            x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-            kc.shape[1] * kc.shape[2], int(kc.dtype == torch.bfloat16), layout.write_slots.data_ptr(),
-            layout.slots.data_ptr(), layout.slots.shape[1], layout.seqs.data_ptr(), layout.starts.data_ptr(),
-            layout.lengths.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    with _profiled("kvlab::decoder_layers"):
+        failed = lib.kvlab_decoder_layers(stack.array, caches.array, groups, len(stack), m, hidden, x.data_ptr(),
+                                          out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                          int(x.dtype == torch.bfloat16), torch.get_num_threads())
     if failed:
         raise MemoryError("decoder layer: out of memory for its buffers or the attention's scores")
     return out

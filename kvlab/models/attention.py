@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab.eviction import EvictionPolicy, fixed_point
-from kvlab.kernels import RowsLayout
+from kvlab.kernels import CacheLayout, StepRows
 from kvlab.spec import LayerSpec, ModelSpec
 
 
@@ -44,11 +44,13 @@ class AttentionBackend(Protocol):
 
 @runtime_checkable
 class NativeAttention(AttentionBackend, Protocol):
-    """A backend that can give this step's layout to ``kvlab.kernels.decoder_layer``."""
+    """A backend that can give this step's layout to ``kvlab.kernels.decoder_layers``."""
 
-    def native_layout(self, layer_idx: int, dtype: torch.dtype, heads: int) -> RowsLayout | None:
-        """Where every row of this step writes and reads in this layer's cache, when the native
-        attention can serve them all (queries of ``dtype``, ``heads`` heads); None otherwise."""
+    def native_layout(self, layers: tuple[tuple[int, int], ...], dtype: torch.dtype
+                      ) -> tuple[CacheLayout, list[StepRows]] | None:
+        """For these layers ((layer index, query heads) each): where each keeps its K/V and
+        where every row of this step writes and reads in each cache group, when the native
+        attention can serve them all (queries of ``dtype``); None otherwise."""
         ...
 
 

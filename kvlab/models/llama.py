@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlab import dispatch, kernels
-from kvlab.models.attention import AttentionBackend, NativeAttention
+from kvlab.models.attention import AttentionBackend
 from kvlab.models.invariant import check_linears, pad_rows
 from kvlab.models.weights import QuantEmbedding, QuantLinear
 from kvlab.spec import LayerSpec, ModelSpec
@@ -232,10 +232,12 @@ class Linear(nn.Linear):
         """Pack the weight if that applies here; returns the bytes the packed copy takes."""
         if self._packed is None or not self._packed.valid():
             self._packed = pack([self])
+            _restructured()
         return self._packed.nbytes if self._packed is not None else 0
 
     def unpack(self) -> None:
         self._packed = None
+        _restructured()
 
     def forward(self, x: Tensor) -> Tensor:
         if _use(self._packed, x):
@@ -358,10 +360,12 @@ class Attention(nn.Module):
     def prepack(self) -> int:
         if self._qkv is None or not self._qkv.valid():
             self._qkv = pack([self.q_proj, self.k_proj, self.v_proj])
+            _restructured()
         return (self._qkv.nbytes if self._qkv is not None else 0) + self.o_proj.prepack()
 
     def unpack(self) -> None:
         self._qkv = None
+        _restructured()
         self.o_proj.unpack()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
@@ -405,10 +409,12 @@ class MLP(nn.Module):
     def prepack(self) -> int:
         if self._gate_up is None or not self._gate_up.valid():
             self._gate_up = pack([self.gate_proj, self.up_proj])
+            _restructured()
         return (self._gate_up.nbytes if self._gate_up is not None else 0) + self.down_proj.prepack()
 
     def unpack(self) -> None:
         self._gate_up = None
+        _restructured()
         self.down_proj.unpack()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -425,8 +431,9 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
-# Bumped whenever any module gains or replaces a parameter or a submodule, so that a decoder
-# layer's gathered native weights are known stale (torch's global registration hooks).
+# Bumped whenever any module gains or replaces a parameter or a submodule (torch's global
+# registration hooks) or packs or drops a packed copy, so that gathered native weights are known
+# stale.
 _structure = [0]
 
 
@@ -459,7 +466,7 @@ class DecoderLayer(nn.Module):
     _native: tuple[int, tuple[Linear, ...], kernels.LayerWeights | None] | None = None
 
     def native_weights(self, x: Tensor) -> kernels.LayerWeights | None:
-        """The weights ``kvlab.kernels.decoder_layer`` takes, when it can run this layer on x
+        """The weights ``kvlab.kernels.decoder_layers`` takes, when it can run this layer on x
         exactly as these modules would: the native kernels serve every op at this many rows (no
         packed copies, no tensor-parallel linears, no q/k norms, no autograd). Gathered once and
         again only when some module's parameters or submodules were replaced (``_structure``) or
@@ -468,7 +475,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if self.sandwich:  # the native layer is Llama-form only
             return None
-        if self._native is None or self._native[0] != _structure[0]:
+        if self._native is None or self._native[0] != _structure[0] or (self._native[2] is not None
+                                                                          and self._native[2].moved()):
             linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                        mlp.down_proj)
             weights = None
@@ -490,7 +498,6 @@ class DecoderLayer(nn.Module):
         if x.shape[0] > (kernels.max_rows(x.dtype) if rows is None else rows):
             return None
         if not packed.fit(x.dtype):
-            self._native = None  # moved or cast: gather again next time
             return None
         first = linears[0]
         native = (first.native(x) if isinstance(first, QuantLinear)
@@ -499,14 +506,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 rows: Tensor | None = None) -> Tensor:
-        """Output rows ``rows`` only (all if None); the cache still gets every row's K/V."""
-        if rows is None and isinstance(attn, NativeAttention):
-            weights = self.native_weights(x)
-            sa = self.self_attn
-            layout = None if weights is None else attn.native_layout(sa.layer_idx, x.dtype, sa.num_heads)
-            if layout is not None:
-                return kernels.decoder_layer(x, weights, sa.num_heads, sa.kv_heads,
-                                             self.input_layernorm.eps, cos, sin, layout)
+        """Output rows ``rows`` only (all if None); the cache still gets every row's K/V. (A stack
+        of layers that can run natively runs in ``CausalLM.forward``, not here.)"""
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn, rows)
         if self.sandwich:
             x = (x if rows is None else x[rows]) + self.post_attention_layernorm(a)
@@ -664,10 +665,51 @@ class CausalLM(nn.Module):
         ropes = [self.rope(positions, x.dtype)]
         if self.local_rope:
             ropes.append(self.rope(positions, x.dtype, local=True))
-        *body, last = self.model.layers
-        for i, layer in enumerate(body):
-            x = layer(x, *ropes[i in self.local_rope], attn)
-        # The last layer's o_proj and MLP run only where logits are wanted: the other rows
-        # only had to leave their K/V in the cache.
-        x = last(x, *ropes[len(body) in self.local_rope], attn, logits_indices)
+        layers = self.model.layers
+        # the last layer computes only the rows that want logits, which the native stack cannot
+        native = self.native_stack(x, attn, len(layers) - (logits_indices is not None))
+        done = 0
+        if native is not None:
+            x = kernels.decoder_layers(x, *native, *ropes[0])
+            done = len(native[0])
+        for i in range(done, len(layers)):
+            # The last layer's o_proj and MLP run only where logits are wanted: the other rows
+            # only had to leave their K/V in the cache.
+            x = layers[i](x, *ropes[i in self.local_rope], attn, logits_indices if i == len(layers) - 1 else None)
         return self.lm_head(self.model.norm(x))
+
+    # (key, the stack or None where some layer cannot run natively, each layer's down_proj,
+    # (attention layer index, heads) each): see native_stack
+    _stack: tuple[tuple, kernels.LayerStack | None, list[Linear], tuple[tuple[int, int], ...]] | None = None
+
+    def native_stack(self, x: Tensor, attn: AttentionBackend, count: int
+                     ) -> tuple[kernels.LayerStack, kernels.CacheLayout, list[kernels.StepRows]] | None:
+        """The first ``count`` layers as one ``kvlab.kernels.decoder_layers`` call on x, with
+        their caches and this step's rows, when every one of them can run natively
+        (``DecoderLayer.native_weights``) and the backend lays them out (``NativeAttention``).
+        The stack is gathered once per structure (``_structure``), dtype and device; each step
+        checks only what a step can change: the rows, autograd, a weight moved. (Why it matters:
+        Python run between steps finds its objects evicted by the weights just streamed, so each
+        check costs several times its cost in a loop.)"""
+        layout = getattr(attn, "native_layout", None)  # NativeAttention (isinstance on a Protocol is slow)
+        if layout is None or not count or self.local_rope or torch.is_grad_enabled():
+            return None
+        key = (_structure[0], x.dtype, x.device, count)
+        cached = self._stack
+        fresh = cached is None or cached[0] != key or (cached[1] is not None and cached[1].moved())
+        layers = list(self.model.layers)[:count] if fresh else []  # (a ModuleList slice registers anew)
+        downs = [layer.mlp.down_proj for layer in layers] if fresh or cached is None else cached[2]
+        most = kernels.max_rows(x.dtype)
+        if any(x.shape[0] > (most if d.native_rows is None else d.native_rows) for d in downs):
+            return None  # before gathering: native_weights would refuse these rows, not the layers
+        if fresh or cached is None:
+            weights = [layer.native_weights(x) for layer in layers]
+            stack = None
+            if all(w is not None for w in weights):
+                stack = kernels.LayerStack([(w, layer.self_attn.num_heads, layer.self_attn.kv_heads,
+                                             layer.input_layernorm.eps) for w, layer in zip(weights, layers)])
+            cached = self._stack = (key, stack, downs, tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads)
+                                                             for layer in layers))
+        stack = cached[1]
+        where = None if stack is None else layout(cached[3], x.dtype)
+        return None if where is None or stack is None else (stack, *where)
