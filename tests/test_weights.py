@@ -85,22 +85,24 @@ def test_the_layer_is_the_dense_layer_on_the_dequantised_weight(name):
         x = torch.randn(m, k)
         with torch.no_grad():
             assert torch.equal(q(x), dense(x)), m
-    if NATIVE:
-        x = torch.randn(7, k)
-        assert torch.equal(kernels.linear_q(x, blocks, FORMATS[name].code, None), kernels.linear(x, ref, None))
+    if NATIVE:  # past 3 rows each weight tile is dequantised once for every row (btile): the same chains
+        for m in (7, 50):
+            x = torch.randn(m, k)
+            assert torch.equal(kernels.linear_q(x, blocks, FORMATS[name].code, None), kernels.linear(x, ref, None)), m
 
 
 @pytest.mark.skipif(not (NATIVE and kernels.avx512()), reason="no AVX-512 loop here (the AVX2 one is tested above)")
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_the_avx512_loop_is_the_avx2_loop_to_the_bit(name):
     """Two weight rows per zmm, each half the AVX2 chain: equal at every tile shape (odd N leaves
-    a pair half-empty; 1, 2, 3 and 4 input rows take each tile)."""
+    a pair half-empty; 1, 2, 3 and 4 input rows take each tile, and past 3 rows the dequantised
+    tile's rows come 8 at a time, then 1-7)."""
     lib = kernels._load()[0]
     k = _cols(name, 224)
     blocks, _ = _blocks(name, 21, k, seed=2)
     bias = torch.randn(21)
     try:
-        for m in (1, 2, 3, 4, 7):
+        for m in (1, 2, 3, 4, 7, 8, 13, 50):
             x = torch.randn(m, k)
             wide = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
             lib.kvlab_set_avx512(0)
