@@ -47,6 +47,20 @@ static void lin(const void *x, const void *w, const void *b, int fmt, void *y, l
     kvlab_linear_parts(x, &part, 1, M, K, threads, bf16);
 }
 
+/* The calling thread's scratch, kept from call to call (at most the largest step's: bounded by
+ * the engine's tokens per step). A 2048-token prefill chunk's buffers are ~50 MB, which malloc
+ * would map and fault in afresh for each of the layers. */
+static char *scratch(long bytes) {
+    static __thread char *buf;
+    static __thread long cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = malloc(bytes);
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
 int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidden, long H, long KV, long D, long I,
                         float eps, const void *x, void *out, const void *cos, const void *sin,
                         void *kc, void *vc, long S, int cache_bf16, const int64_t *write_slots,
@@ -62,9 +76,9 @@ int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidde
     char *buf[NBUF];
     long total = 0;
     for (int i = 0; i < NBUF; i++) total += (sizes[i] + 63) / 64 * 64;
-    char *arena = malloc(total);
+    char *arena = scratch(total);
     if (!arena) return 1;
-    for (int i = 0, at = 0; i < NBUF; at += (sizes[i] + 63) / 64 * 64, i++) buf[i] = arena + at;
+    for (long i = 0, at = 0; i < NBUF; at += (sizes[i] + 63) / 64 * 64, i++) buf[i] = arena + at;
 
     kvlab_rms_norm(x, NULL, NULL, w[NORM1], buf[H_], M, hidden, eps, bf16, threads);
     const kvlab_part qkv[] = {{w[WQ], w[BQ], buf[Q_], QD, fmt[0]}, {w[WK], w[BK], buf[K_], KD, fmt[1]},
@@ -83,10 +97,8 @@ int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidde
     }
     /* the scale as kvlab.kernels.paged_attention passes it: 1 / sqrt(D) in double, then float */
     if (kvlab_paged_attention(q32, kc, vc, cache_bf16, S, slots, L, seqs, starts, lengths, o32, M, H,
-                              KV, D, D, (float)(1.0 / sqrt((double)D)), threads)) {
-        free(arena);
+                              KV, D, D, (float)(1.0 / sqrt((double)D)), threads))
         return 1;
-    }
     if (bf16)
         for (long i = 0; i < M * QD; i++) store1(o, i, o32[i], 1);
     lin(o, w[WO], w[BO], fmt[3], buf[A_], M, hidden, QD, threads, bf16);
@@ -97,7 +109,6 @@ int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidde
     lin(buf[G_], w[WD], w[BD], fmt[6], buf[A_], M, hidden, I, threads, bf16);
     for (long i = 0; i < M * hidden; i++)
         store1(out, i, load1(buf[X2_], i, bf16) + load1(buf[A_], i, bf16), bf16);
-    free(arena);
     return 0;
 }
 

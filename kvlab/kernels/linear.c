@@ -171,10 +171,17 @@ static float *tile_buffer(long floats) {
     return buf;
 }
 
+/* The weight tiles PF_TILES ahead of rows wr[0..nb), as qtile prefetches them. */
+static inline __attribute__((always_inline)) void prefetch_tiles(const uint8_t *const *wr, const int nb, long rb) {
+    for (int j = 0; j < nb; j++)
+        for (long l = 0; l < rb; l += 64) _mm_prefetch((const char *)(wr[j] + PF_TILES * nb * rb + l), _MM_HINT_T0);
+}
+
 /* Weight rows wr[0..nb) as fp32, row j at buf + j * K. */
 static inline __attribute__((always_inline)) void dtile(const uint8_t *const *wr, const int nb, long K,
                                                         const int fmt, float *buf) {
     const long ub = UNIT_BYTES(fmt), us = UNIT_BLOCKS(fmt), uk = us * QK;
+    prefetch_tiles(wr, nb, K / uk * ub);
     for (int j = 0; j < nb; j++)
         for (long ku = 0; ku < K / uk; ku++)
             for (int sb = 0; sb < us; sb++) {
@@ -187,6 +194,7 @@ static inline __attribute__((always_inline)) void dtile(const uint8_t *const *wr
 /* The same in qtile512's pairs: pair j's 8 weights k.. of both rows at buf + 2 * (j * K + k). */
 static inline T512 void dtile512(const uint8_t *const *wr, const int nb, long K, const int fmt, float *buf) {
     const long ub = UNIT_BYTES(fmt), us = UNIT_BLOCKS(fmt), uk = us * QK;
+    prefetch_tiles(wr, nb, K / uk * ub);
     for (int j = 0; j < nb / 2; j++)
         for (long ku = 0; ku < K / uk; ku++)
             for (int sb = 0; sb < us; sb++) {
