@@ -239,13 +239,15 @@ class Linear(nn.Linear):
         self._packed = None
         _restructured()
 
+    def row_limit(self, dtype: torch.dtype) -> int:
+        """The most rows of ``dtype`` the native kernel takes here: ``native_rows``, by default
+        ``kernels.max_rows``."""
+        return kernels.max_rows(dtype) if self.native_rows is None else self.native_rows
+
     def forward(self, x: Tensor) -> Tensor:
         if _use(self._packed, x):
             return self._packed(x)  # type: ignore[misc]
-        rows = self.native_rows
-        if rows is None:
-            rows = kernels.max_rows(x.dtype)
-        if x.shape[0] <= rows and kernels.usable(x, self.weight, self.bias):
+        if x.shape[0] <= self.row_limit(x.dtype) and kernels.usable(x, self.weight, self.bias):
             return kernels.linear(x, self.weight, self.bias)
         return self._gemm(x, self.weight, self.bias)
 
@@ -465,6 +467,11 @@ class DecoderLayer(nn.Module):
 
     _native: tuple[int, tuple[Linear, ...], kernels.LayerWeights | None] | None = None
 
+    def linears(self) -> tuple[Linear, ...]:
+        """q, k, v, o, gate, up, down: the order ``kernels.LayerWeights`` takes them in."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
     def native_weights(self, x: Tensor) -> kernels.LayerWeights | None:
         """The weights ``kvlab.kernels.decoder_layers`` takes, when it can run this layer on x
         exactly as these modules would: the native kernels serve every op at this many rows (no
@@ -477,8 +484,7 @@ class DecoderLayer(nn.Module):
             return None
         if self._native is None or self._native[0] != _structure[0] or (self._native[2] is not None
                                                                           and self._native[2].moved()):
-            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                       mlp.down_proj)
+            linears = self.linears()
             weights = None
             if not attn.qk_norm and all(type(m) in (Linear, QuantLinear) for m in linears):
                 weights = [self.input_layernorm.weight]
@@ -494,8 +500,7 @@ class DecoderLayer(nn.Module):
             return None
         if any(m._packed is not None for m in linears):
             return None
-        rows = linears[-1].native_rows
-        if x.shape[0] > (kernels.max_rows(x.dtype) if rows is None else rows):
+        if any(x.shape[0] > m.row_limit(x.dtype) for m in linears):
             return None
         if not packed.fit(x.dtype):
             return None
@@ -678,9 +683,9 @@ class CausalLM(nn.Module):
             x = layers[i](x, *ropes[i in self.local_rope], attn, logits_indices if i == len(layers) - 1 else None)
         return self.lm_head(self.model.norm(x))
 
-    # (key, the stack or None where some layer cannot run natively, each layer's down_proj,
+    # (key, the stack or None where some layer cannot run natively, the layers' linears,
     # (attention layer index, heads) each): see native_stack
-    _stack: tuple[tuple, kernels.LayerStack | None, list[Linear], tuple[tuple[int, int], ...]] | None = None
+    _stack: tuple[tuple, kernels.LayerStack | None, list[Linear | QuantLinear], tuple[tuple[int, int], ...]] | None = None
 
     def native_stack(self, x: Tensor, attn: AttentionBackend, count: int
                      ) -> tuple[kernels.LayerStack, kernels.CacheLayout, list[kernels.StepRows]] | None:
@@ -698,9 +703,8 @@ class CausalLM(nn.Module):
         cached = self._stack
         fresh = cached is None or cached[0] != key or (cached[1] is not None and cached[1].moved())
         layers = list(self.model.layers)[:count] if fresh else []  # (a ModuleList slice registers anew)
-        downs = [layer.mlp.down_proj for layer in layers] if fresh or cached is None else cached[2]
-        most = kernels.max_rows(x.dtype)
-        if any(x.shape[0] > (most if d.native_rows is None else d.native_rows) for d in downs):
+        linears = ([m for layer in layers for m in layer.linears()] if fresh or cached is None else cached[2])
+        if any(x.shape[0] > m.row_limit(x.dtype) for m in linears):
             return None  # before gathering: native_weights would refuse these rows, not the layers
         if fresh or cached is None:
             weights = [layer.native_weights(x) for layer in layers]
@@ -708,7 +712,7 @@ class CausalLM(nn.Module):
             if all(w is not None for w in weights):
                 stack = kernels.LayerStack([(w, layer.self_attn.num_heads, layer.self_attn.kv_heads,
                                              layer.input_layernorm.eps) for w, layer in zip(weights, layers)])
-            cached = self._stack = (key, stack, downs, tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads)
+            cached = self._stack = (key, stack, linears, tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads)
                                                              for layer in layers))
         stack = cached[1]
         where = None if stack is None else layout(cached[3], x.dtype)

@@ -159,10 +159,15 @@ class QuantLinear(nn.Module):
     def unpack(self) -> None:
         pass
 
+    def row_limit(self, dtype: torch.dtype) -> int:
+        """As ``Linear.row_limit``, so that rows past it take the dense fp32 layer's F.linear on
+        the same values (the native kernel would outrun it there, at other bits)."""
+        return kernels.max_rows(torch.float32) if self.native_rows is None else self.native_rows
+
     def native(self, x: Tensor) -> bool:
-        """Can ``kernels.linear_q`` take x: fp32 [M, in] on CPU, M within ``native_rows``."""
-        rows = kernels.max_rows(torch.float32) if self.native_rows is None else self.native_rows
-        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= rows and x.device.type == "cpu"
+        """Can ``kernels.linear_q`` take x: fp32 [M, in] on CPU, M within ``row_limit``."""
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= self.row_limit(x.dtype)
+                and x.device.type == "cpu"
                 and (self.bias is None or self.bias.dtype == torch.float32) and kernels.status().available)
 
     def dense(self) -> Tensor:
