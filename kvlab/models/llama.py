@@ -630,6 +630,7 @@ class CausalLM(nn.Module):
         if not on:
             for m in linears:
                 m.native_rows = None
+            _restructured()
             return
         self.unpack()
         rows = check_linears(linears, self.dtype, self.device)
@@ -639,6 +640,7 @@ class CausalLM(nn.Module):
         native_rows = check_linears(linears, self.dtype, self.device)
         for m in linears:
             m.row_block = native_rows
+        _restructured()  # the row limits changed: a gathered native stack holds the old ones
 
     def tie_weights(self) -> None:
         if not self.spec.tie_word_embeddings:
@@ -683,17 +685,18 @@ class CausalLM(nn.Module):
             x = layers[i](x, *ropes[i in self.local_rope], attn, logits_indices if i == len(layers) - 1 else None)
         return self.lm_head(self.model.norm(x))
 
-    # (key, the stack or None where some layer cannot run natively, the layers' linears,
-    # (attention layer index, heads) each): see native_stack
-    _stack: tuple[tuple, kernels.LayerStack | None, list[Linear | QuantLinear], tuple[tuple[int, int], ...]] | None = None
+    # (key, the stack or None where some layer cannot run natively, the least row_limit of the
+    # layers' linears, (attention layer index, heads) each): see native_stack
+    _stack: tuple[tuple, kernels.LayerStack | None, int, tuple[tuple[int, int], ...]] | None = None
 
     def native_stack(self, x: Tensor, attn: AttentionBackend, count: int
                      ) -> tuple[kernels.LayerStack, kernels.CacheLayout, list[kernels.StepRows]] | None:
         """The first ``count`` layers as one ``kvlab.kernels.decoder_layers`` call on x, with
         their caches and this step's rows, when every one of them can run natively
         (``DecoderLayer.native_weights``) and the backend lays them out (``NativeAttention``).
-        The stack is gathered once per structure (``_structure``), dtype and device; each step
-        checks only what a step can change: the rows, autograd, a weight moved. (Why it matters:
+        The stack is gathered once per structure (``_structure``: deterministic mode's row
+        limits bump it too), dtype and device; each step checks only what a step can change: the
+        rows, autograd, a weight moved. (Why it matters:
         Python run between steps finds its objects evicted by the weights just streamed, so each
         check costs several times its cost in a loop.)"""
         layout = getattr(attn, "native_layout", None)  # NativeAttention (isinstance on a Protocol is slow)
@@ -703,8 +706,9 @@ class CausalLM(nn.Module):
         cached = self._stack
         fresh = cached is None or cached[0] != key or (cached[1] is not None and cached[1].moved())
         layers = list(self.model.layers)[:count] if fresh else []  # (a ModuleList slice registers anew)
-        linears = ([m for layer in layers for m in layer.linears()] if fresh or cached is None else cached[2])
-        if any(x.shape[0] > m.row_limit(x.dtype) for m in linears):
+        limit = (min(m.row_limit(x.dtype) for layer in layers for m in layer.linears())
+                 if fresh or cached is None else cached[2])
+        if x.shape[0] > limit:
             return None  # before gathering: native_weights would refuse these rows, not the layers
         if fresh or cached is None:
             weights = [layer.native_weights(x) for layer in layers]
@@ -712,7 +716,7 @@ class CausalLM(nn.Module):
             if all(w is not None for w in weights):
                 stack = kernels.LayerStack([(w, layer.self_attn.num_heads, layer.self_attn.kv_heads,
                                              layer.input_layernorm.eps) for w, layer in zip(weights, layers)])
-            cached = self._stack = (key, stack, linears, tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads)
+            cached = self._stack = (key, stack, limit, tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads)
                                                              for layer in layers))
         stack = cached[1]
         where = None if stack is None else layout(cached[3], x.dtype)
