@@ -383,6 +383,18 @@ def test_a_torch_profile_names_the_kernels():
     assert {"kvlab::linear", "kvlab::paged_attention"} <= {e.key for e in prof.key_averages()}
 
 
+def test_torchs_openmp_threads_sleep_between_regions_unless_the_user_sets_otherwise():
+    """``import kvlab`` sets OMP_WAIT_POLICY=PASSIVE before torch loads (PyTorch's spinning
+    OpenMP threads took the cores kvlab's kernel threads needed), and keeps a user's own value."""
+    code = "import kvlab, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, seen in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == seen
+
+
 def test_the_thread_pool_gives_the_same_bits_at_any_thread_count_from_any_caller():
     """kvlab's pool (pool.c): more threads than cores (chunks taken by whoever runs), several
     Python threads calling at once (one runs its loop alone), and a forked child (the pool starts
