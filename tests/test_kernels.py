@@ -384,15 +384,20 @@ def test_a_torch_profile_names_the_kernels():
 
 
 def test_torchs_openmp_threads_sleep_between_regions_unless_the_user_sets_otherwise():
-    """``import kvlab`` sets OMP_WAIT_POLICY=PASSIVE before torch loads (PyTorch's spinning
-    OpenMP threads took the cores kvlab's kernel threads needed), and keeps a user's own value."""
-    code = "import kvlab, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    """``import kvlab`` loads torch's libgomp with OMP_WAIT_POLICY=PASSIVE (its threads spun on
+    the cores kvlab's kernel threads needed) and leaves the environment as it was, for child
+    processes such as llama.cpp; a user's own OMP_WAIT_POLICY wins. libgomp says what it took
+    (OMP_DISPLAY_ENV): a passive policy spins 0 times, its default 300,000."""
+    code = "import kvlab, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for given, seen in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+    env["OMP_DISPLAY_ENV"] = "verbose"
+    for given, spins in ((None, "'0'"), ("ACTIVE", None)):
         if given:
             env["OMP_WAIT_POLICY"] = given
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == seen
+        assert out.stdout.strip() == str(given)  # the environment as it was
+        count = next(line.split("=")[1].strip() for line in out.stderr.splitlines() if "GOMP_SPINCOUNT" in line)
+        assert count == spins if spins else count != "'0'"
 
 
 def test_the_thread_pool_gives_the_same_bits_at_any_thread_count_from_any_caller():
