@@ -81,6 +81,30 @@ static inline T512 void block16(const uint8_t *a, const uint8_t *b, int s, const
     else qblock16(a, b, fmt, out);
 }
 
+/* A block-format tile's outputs y[m0 + i, n0 + j]: each accumulator's fixed horizontal sum,
+ * then the bias. */
+static inline __attribute__((always_inline)) void qstore(__m256 acc[][NB_MAX], const int mb, long nn,
+                                                         const float *b, float *y, long m0, long n0, long N) {
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nn; j++) {
+            float s = hsum(acc[i][j]);
+            if (b) s += b[n0 + j];
+            y[(m0 + i) * N + n0 + j] = s;
+        }
+}
+
+/* The same for the AVX-512 tiles' pairs: weight row j in half j % 2 of acc[i][j / 2]. */
+static inline T512 void qstore512(__m512 acc[][NB_MAX / 2], const int mb, long nn, const float *b, float *y,
+                                  long m0, long n0, long N) {
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nn; j++) {
+            __m256 half = j % 2 ? _mm512_extractf32x8_ps(acc[i][j / 2], 1) : _mm512_castps512_ps256(acc[i][j / 2]);
+            float s = hsum(half);
+            if (b) s += b[n0 + j];
+            y[(m0 + i) * N + n0 + j] = s;
+        }
+}
+
 /* tile() for fp32 rows against a weight in block format fmt (K a multiple of its unit): the same
  * chain of FMAs, each block of 32 weights dequantised as it is loaded, a row's whole unit before
  * the next row's (k-quants, measured: 1.5-2.7x the rate of interleaving rows per 32 weights,
@@ -111,12 +135,7 @@ static inline __attribute__((always_inline)) void qtile(const float *x, const ui
                         acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + ku * uk + QK * sb + 8 * g), wv[g], acc[i][j]);
             }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nn; j++) {
-            float s = hsum(acc[i][j]);
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
-        }
+    qstore(acc, mb, nn, b, y, m0, n0, N);
 }
 
 /* qtile with AVX-512: weight rows in pairs, one zmm per pair and input row (qblock16), each half
@@ -145,13 +164,7 @@ static inline T512 void qtile512(const float *x, const uint8_t *w, const float *
                             _mm512_broadcast_f32x8(_mm256_loadu_ps(xr[i] + ku * uk + QK * sb + 8 * g)), wv[g], acc[i][j]);
             }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nn; j++) {
-            __m256 half = j % 2 ? _mm512_extractf32x8_ps(acc[i][j / 2], 1) : _mm512_castps512_ps256(acc[i][j / 2]);
-            float s = hsum(half);
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
-        }
+    qstore512(acc, mb, nn, b, y, m0, n0, N);
 }
 
 /* Past one tile of input rows, each weight tile is dequantised once to fp32 (dtile, dtile512),
@@ -219,12 +232,7 @@ static inline __attribute__((always_inline)) void btile(const float *x, const fl
             for (int i = 0; i < mb; i++) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nn; j++) {
-            float s = hsum(acc[i][j]);
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
-        }
+    qstore(acc, mb, nn, b, y, m0, n0, N);
 }
 
 #define MB512 8 /* btile512's input rows: 8 x 2 accumulators, 2 weights and 1 input of 32 registers */
@@ -243,13 +251,7 @@ static inline T512 void btile512(const float *x, const float *buf, const float *
             for (int j = 0; j < nb / 2; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nn; j++) {
-            __m256 half = j % 2 ? _mm512_extractf32x8_ps(acc[i][j / 2], 1) : _mm512_castps512_ps256(acc[i][j / 2]);
-            float s = hsum(half);
-            if (b) s += b[n0 + j];
-            y[(m0 + i) * N + n0 + j] = s;
-        }
+    qstore512(acc, mb, nn, b, y, m0, n0, N);
 }
 
 /* Input rows m0..end-1 (fewer than MB512) by btile512, mb a constant in each call. */
