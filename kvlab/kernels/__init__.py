@@ -390,10 +390,13 @@ class LayerWeights:
         self.pointers = (ctypes.c_void_p * 16)(*self.addresses)
         self.format_array = (ctypes.c_int * 7)(*formats)
         self.inter = weights[10].shape[0]
+        self._held = [w for w in weights if w is not None]
+        self._held_at = [w.data_ptr() for w in self._held]
 
     def moved(self) -> bool:
-        """Is some tensor no longer where it was packed (a cast, ``.to()`` or ``.data =``)?"""
-        return any(w is not None and w.data_ptr() != a for w, a in zip(self.weights, self.addresses))
+        """Is some tensor no longer where it was packed (a cast, ``.to()`` or ``.data =``)? One
+        list compare: the native stack asks it of every layer each step."""
+        return [w.data_ptr() for w in self._held] != self._held_at
 
     def fit(self, dtype: torch.dtype) -> bool:
         """Every tensor (but the block-format weights) of this dtype, the blocks with fp32 rows
@@ -420,15 +423,16 @@ class LayerStack:
         self.array = (_Layer * len(layers))(*[
             _Layer(ctypes.addressof(w.pointers), ctypes.addressof(w.format_array), h, kv, w.inter, eps)
             for w, h, kv, eps in layers])
-        self.tensors = [t for w, *_ in layers for t in w.weights if t is not None]
-        self.addresses = [t.data_ptr() for t in self.tensors]
+        # every layer's held tensors in one list: one compare a step, not one per layer
+        self._held = [t for w, *_ in layers for t in w._held]
+        self._held_at = [a for w, *_ in layers for a in w._held_at]
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def moved(self) -> bool:
-        """Is some weight no longer where it was packed (a cast, ``.to()`` or ``.data =``)?"""
-        return [t.data_ptr() for t in self.tensors] != self.addresses
+        """Has some layer's weight moved since it was packed (as ``LayerWeights.moved``)?"""
+        return [t.data_ptr() for t in self._held] != self._held_at
 
 
 def decoder_layers(x: Tensor, stack: LayerStack, caches: CacheLayout, rows: list[StepRows], cos: Tensor,

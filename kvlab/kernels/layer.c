@@ -61,7 +61,7 @@ static char *scratch(long bytes) {
     return buf;
 }
 
-int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidden, long H, long KV, long D, long I,
+static int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, long hidden, long H, long KV, long D, long I,
                         float eps, const void *x, void *out, const void *cos, const void *sin,
                         void *kc, void *vc, long S, int cache_bf16, const int64_t *write_slots,
                         const int64_t *slots, long L, const int64_t *seqs, const int64_t *starts,

@@ -23,7 +23,7 @@ Three backends live here:
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-@runtime_checkable
 class NativeAttention(AttentionBackend, Protocol):
     """A backend that can give this step's layout to ``kvlab.kernels.decoder_layers``."""
 

@@ -704,13 +704,14 @@ class CausalLM(nn.Module):
             return None
         key = (_structure[0], x.dtype, x.device, count)
         cached = self._stack
-        fresh = cached is None or cached[0] != key or (cached[1] is not None and cached[1].moved())
-        layers = list(self.model.layers)[:count] if fresh else []  # (a ModuleList slice registers anew)
-        limit = (min(m.row_limit(x.dtype) for layer in layers for m in layer.linears())
-                 if fresh or cached is None else cached[2])
-        if x.shape[0] > limit:
-            return None  # before gathering: native_weights would refuse these rows, not the layers
-        if fresh or cached is None:
+        if cached is not None and cached[0] == key and not (cached[1] is not None and cached[1].moved()):
+            if x.shape[0] > cached[2]:
+                return None
+        else:
+            layers = list(self.model.layers)[:count]  # (a ModuleList slice registers its modules anew)
+            limit = min(m.row_limit(x.dtype) for layer in layers for m in layer.linears())
+            if x.shape[0] > limit:
+                return None  # before gathering: native_weights would refuse these rows, not the layers
             weights = [layer.native_weights(x) for layer in layers]
             stack = None
             if all(w is not None for w in weights):
