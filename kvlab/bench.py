@@ -21,7 +21,7 @@ import torch
 
 from kvlab.dtypes import weight_dtype
 from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.engine.sequence import Sequence
 from kvlab.hardware import cpu_device
 from kvlab.models.llama import CausalLM

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 _IMPORTED = time.perf_counter()  # the first command's start-up counts its imports too
 _started: list[float] = []  # when each call of main() began; the first one: at _IMPORTED
 
-from kvlab.dtypes import MODEL_DTYPE_HELP, WEIGHTS_HELP
-from kvlab.engine.options import byte_size, check_torchrun_tp, positive_int, torchrun_rank
+from kvlab.options import (add_engine_args, add_model_args, byte_size, check_torchrun_tp, positive_int,
+                           torchrun_rank)
 
 if TYPE_CHECKING:
     from kvlab.plan.engines.llamacpp import LlamaCppSettings
@@ -153,24 +153,34 @@ def _int_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
 
 
+RUNNERS = ("auto", "loop", "engine")
+
+
+def generate_runner(runner: str, tp: int, deterministic: bool | None, no_cache: bool) -> str:
+    """Which runner ``kvlab generate`` uses, "loop" or "engine", decided here only: auto takes the
+    engine when --tp > 1 or --deterministic asks for it (only the engine has either), else the
+    loop. UsageError (one line) for a combination neither runner can honour."""
+    wants_engine = tp > 1 or deterministic is True
+    chosen = ("engine" if wants_engine else "loop") if runner == "auto" else runner
+    if chosen == "loop" and wants_engine:
+        raise UsageError("kvlab generate: --runner loop runs one process on the fast kernels; --tp and "
+                         "--deterministic need --runner engine")
+    if chosen == "engine" and no_cache:
+        raise UsageError("kvlab generate: the paged engine always keeps a cache; drop --no-cache "
+                         "(or --runner loop)")
+    return chosen
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvlab.generate import Generation
-    from kvlab.models import load
+    from kvlab.models import load_options
+    from kvlab.options import ModelOptions
     from kvlab.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = args.tp > 1 or args.deterministic  # the paged engine, not the plain loop
-    if engine and args.no_cache:
-        raise UsageError("kvlab generate: --tp and --deterministic run the paged engine, which always "
-                         "keeps a cache; drop --no-cache")
-    # tensor-parallel workers cut their shards from a whole model in this process's memory
-    loaded = load(args.model, args.dtype, device="cpu" if args.tp > 1 else args.device,
-                  random_weights=args.random_weights, seed=args.seed or 0, weights=args.weights)
+    runner = generate_runner(args.runner, args.tp, args.deterministic, args.no_cache)
+    loaded = load_options(ModelOptions.from_args(args), args.tp)
     tok = loaded.tokenizer
     if tok.is_fallback:
         print(f"note: {loaded.model.name} has no tokenizer: the prompt is encoded as UTF-8 bytes "
@@ -179,7 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = loaded.chat_template.encode(tok, [{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    if engine:
+    if runner == "engine":
         result = _generate_engine(loaded.model, tok, prompt_ids, params, args.tp, args.deterministic,
                                   args.device, args.json)
     else:
@@ -194,23 +204,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
                           "dtype_why": loaded.dtype.why, "weights": sorted(loaded.weights.formats),
-                          "weights_why": loaded.weights.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp,
+                          "weights_why": loaded.weights.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp, "runner": runner,
                           **result.as_dict()}))
     else:
         print()
         print(result.figures() + (f" on each of {args.tp} ranks" if args.tp > 1 else "")
-              + f"; {loaded.dtype}; weights {loaded.weights}", file=sys.stderr)
+              + f"; {loaded.dtype}; weights {loaded.weights}; {runner}", file=sys.stderr)
     return 0
 
 
-def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, deterministic: bool,
+def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, deterministic: bool | None,
                      device: str, quiet: bool):
     """One prompt through the paged engine (on `tp` worker processes; in deterministic mode,
     with the batch-invariant kernels, so the answer is the one a --deterministic server gives
     under any load), with a cache of just the blocks it needs; the same figures as the plain
     loop's, the KV bytes being one rank's."""
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sizing import cdiv
+    from kvlab.layout import cdiv
     from kvlab.generate import GenerationResult, check_length
 
     check_length(model, len(prompt_ids), params.max_tokens)
@@ -250,11 +260,11 @@ def _int_list(text: str) -> list[int]:
 
 def cmd_measure(args: argparse.Namespace) -> int:
     from kvlab.measure import measure
-    from kvlab.models import load
+    from kvlab.models import load_options
+    from kvlab.options import ModelOptions
     from kvlab.progress import progress_bar
 
-    loaded = load(args.model, args.dtype, device=args.device, random_weights=args.random_weights, seed=args.seed,
-                  weights=args.weights)
+    loaded = load_options(ModelOptions.from_args(args))
     with progress_bar("measure", enabled=not args.json) as report:
         result = measure(loaded.model, args.contexts, args.new_tokens, args.prompt, progress=report)
     if args.plot:
@@ -296,17 +306,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from kvlab import kernels
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
-    from kvlab.engine.options import EngineOptions
-    from kvlab.models import load
-    if args.threads:
-        import torch
+    from kvlab.models import load_options
+    from kvlab.options import EngineOptions, ModelOptions
 
-        torch.set_num_threads(args.threads)
     options = EngineOptions.from_args(args)
-    work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed)
-    # tensor-parallel workers cut their shards from a whole model in this process's memory
-    loaded = load(args.model, args.dtype, device="cpu" if options.tp > 1 else args.device,
-                  random_weights=args.random_weights, seed=args.seed, weights=args.weights)
+    work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed or 0)
+    loaded = load_options(ModelOptions.from_args(args), options.tp)
     model = loaded.model
     with Progress(transient=True, disable=args.json) as bar:
         task = bar.add_task("kvlab engine", total=args.num_requests)
@@ -341,12 +346,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvlab.demo import run_demo
     from kvlab.render import print_demo
 
+    from kvlab.progress import progress_bar
+
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    from kvlab.progress import progress_bar
-
     with progress_bar("demo") as report:
         demo = run_demo(args.model, max_tokens=args.max_tokens, tp=args.tp, progress=report)
     print_demo(demo)
@@ -370,14 +375,11 @@ def _budget_list(text: str) -> list[int | float]:
 
 def cmd_evict(args: argparse.Namespace) -> int:
     from kvlab.evaluate import evaluate, plot_rows, rows_json
-    from kvlab.models import load
+    from kvlab.models import load_options
+    from kvlab.options import ModelOptions
     from kvlab.progress import progress_bar
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    loaded = load(args.model, args.dtype, device=args.device, weights=args.weights)
+    loaded = load_options(ModelOptions.from_args(args))
     with progress_bar("evict", enabled=not args.json) as report:
         rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
                         text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
@@ -459,9 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate text with kvlab's own runtime (KV cache or none)")
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
-                   "--random-weights a catalogue name or config.json")
+    add_model_args(p)
     p.intermixed = True
     p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     p.add_argument("--chat", action="store_true",
@@ -471,33 +471,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_float_arg, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--top-k", type=_int_arg, default=0, help="keep the k most likely tokens (default 0: off)")
     p.add_argument("--min-p", type=_float_arg, default=0.0, help="drop tokens below min_p x the top probability")
-    p.add_argument("--seed", type=_int_arg, default=None, help="seed for sampling (and random weights)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
-    p.add_argument("--random-weights", action="store_true",
-                   help="random weights from the config (seeded); no tokenizer unless the folder has one")
-    p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
-    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's; use 1 on a busy shared machine)")
+    p.add_argument("--runner", choices=RUNNERS, default="auto",
+                   help="loop: the plain generation loop (one request, contiguous cache); engine: the "
+                   "paged engine, as a server runs it; auto (default): the engine when --tp > 1 or "
+                   "--deterministic asks for it, else the loop")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
-    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel size: run through the paged engine on N worker processes")
-    p.add_argument("--deterministic", action="store_true",
-                   help="run through the paged engine's batch-invariant kernels: the answer a "
-                   "--deterministic server gives, whatever else it serves")
+    add_engine_args(p, only=("deterministic", "tp"))
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("measure", help="check the KV formula against the runtime's tensors and allocations")
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
-                   "--random-weights a catalogue name or config.json")
-    p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
-    p.add_argument("--seed", type=_int_arg, default=0,
-                   help="seed of --random-weights (default 0); the measured prompts are fixed")
-    p.add_argument("--dtype", default="bf16", help="fp32, bf16 (default) or fp16")
-    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    add_model_args(p, dtype=("bf16", "the lesson's cache, 2 bytes an element"))
     p.add_argument("--contexts", type=_int_list, default=[128, 256, 512, 1024],
                    help="prefill lengths for the slope (default 128,256,512,1024)")
     p.add_argument("--new-tokens", type=_int_list, default=[64, 128, 256],
@@ -513,34 +497,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
-    from kvlab.engine.options import add_engine_args
-
     p = sub.add_parser("bench", help="throughput and latency of the paged engine on a seeded workload")
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or with "
-                   "--random-weights a catalogue name or config.json")
-    p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
-    p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
-    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
+    add_model_args(p)
     p.add_argument("--num-requests", type=positive_int, default=64,
                    help="requests in the workload, all submitted at once (default 64)")
     p.add_argument("--input-len", type=_length_range, default=(64, 512), help="prompt tokens, A:B (default 64:512)")
     p.add_argument("--output-len", type=_length_range, default=(32, 256), help="new tokens, C:D (default 32:256)")
     p.add_argument("--shared-prefix", type=_int_arg, default=0, help="tokens every prompt starts with")
-    p.add_argument("--seed", type=_int_arg, default=0,
-                   help="seed of the workload (prompt tokens and lengths) and of --random-weights (default 0)")
     p.add_argument("--compare", choices=["hf"], help="also run the requests through transformers")
     p.add_argument("--hf-batch-size", type=positive_int, default=8, help="static batch size for --compare hf")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("evict", help="what token eviction and lossy KV dtypes cost in quality "
                        "(perplexity or a hidden pass key), beside the bytes they save")
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m)")
+    add_model_args(p, dtype=("fp32", "bf16 near-ties would add batch-dependent noise"))
     p.add_argument("--policies", type=_word_list, default=["full", "window", "streaming", "h2o", "snapkv"],
                    help="comma-separated: full, window, streaming, h2o, snapkv (default: all)")
     p.add_argument("--budgets", type=_budget_list, default=[128, 256, 512],
@@ -555,14 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=positive_int, default=64,
                    help="tokens per engine step: eviction runs between steps (default 64)")
     p.add_argument("--trials", type=positive_int, default=20, help="needle prompts per row (default 20)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="batch-invariant engine (default), so figures do not depend on which trials "
-                   "share a batch; --no-deterministic shows the batch noise of the fast kernels")
-    p.add_argument("--dtype", default="fp32",
-                   help="model dtype (default fp32: bf16 near-ties would add batch-dependent noise)")
-    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    add_engine_args(p, only=("deterministic",), deterministic=(
+        True, "the figures compare policies, so a trial's must not depend on the trials batched beside it"))
     p.add_argument("--plot", help="write quality against KV bytes kept to this PNG")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_evict)
@@ -573,9 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m)")
     p.add_argument("--max-tokens", type=positive_int, default=48,
                    help="new tokens per answer at most (default 48); the cache is sized from it")
-    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel size: N worker processes, each with 1/N of the KV heads")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    add_engine_args(p, only=("tp",))
+    add_model_args(p, only=("threads",))
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvlab.catalog import DEFAULT_MODEL
 from kvlab.engine.llm import LLM
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.models.loader import Loaded
 from kvlab.plan import PlanRequest, make_plan

@@ -25,7 +25,7 @@ A policy evicts only once the kept tokens exceed the budget, and never a unit st
 written (the last one) or a sink. Evicted tokens never come back.
 
 torch is imported only by the functions that handle tensors: the CLI's flag parsing reads the
-policy names and budgets (kvlab.engine.options) and must not load it (`kvlab plan` stays instant).
+policy names and budgets (kvlab.options) and must not load it (`kvlab plan` stays instant).
 """
 
 from __future__ import annotations

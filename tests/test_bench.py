@@ -9,7 +9,7 @@ import pytest
 from kvlab import kernels
 from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, parse_range, run_engine, run_hf
 from kvlab.cli import main
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.dtypes import weight_dtype
 from kvlab.hardware import get_device
 from kvlab.models import load

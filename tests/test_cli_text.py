@@ -12,7 +12,7 @@ from rich.console import Console
 from kvlab.bench import Workload, run_engine
 from kvlab.catalog import entries
 from kvlab.cli import build_parser, main
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.render import print_bench, print_models
 from tests.conftest import llama_like
 from tests.test_measure import TINY, tiny_model

@@ -179,7 +179,7 @@ def test_generate_deterministic_is_the_servers_answer_under_load(capsys):
 
 def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_free(models, monkeypatch):
     from kvlab import kernels
-    from kvlab.engine.options import EngineOptions, add_engine_args
+    from kvlab.options import EngineOptions, add_engine_args
 
     def mode(model, **opts):
         engine = LLM(model, **opts).engine

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import save_file
 
 from kvlab import LLM, SamplingParams
-from kvlab.engine.options import EngineOptions, add_engine_args
+from kvlab.options import EngineOptions, add_engine_args
 from kvlab.generate import generate
 from kvlab.models.loader import ByteTokenizer
 from kvlab.server.views import block_map

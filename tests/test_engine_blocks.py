@@ -8,7 +8,7 @@ from kvlab.engine.block_pool import BlockPool, hash_block
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import NULL_BLOCK, SeqStatus, Sequence
-from kvlab.engine.sizing import LayerGroup
+from kvlab.layout import LayerGroup
 
 FULL = [LayerGroup("full", None, (0,))]
 

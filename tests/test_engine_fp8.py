@@ -14,7 +14,7 @@ from kvlab.engine.attention import PagedAttention, SeqSpan
 from kvlab.engine.engine import calibration_ids
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.llm import LLM
-from kvlab.engine.sizing import cdiv, layer_groups
+from kvlab.layout import cdiv, layer_groups
 from kvlab.models.llama import CausalLM
 from kvlab.sampling import SamplingParams
 from tests.test_engine_parity import kv_bytes, prompts, reference, tiny_model  # noqa: F401 (fixtures)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from kvlab.engine.llm import LLM
-from kvlab.engine.sizing import cdiv, layer_groups
+from kvlab.layout import cdiv, layer_groups
 from kvlab.generate import generate
 from kvlab.models import build_model
 from kvlab.models.llama import CausalLM

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvlab.engine.kv_manager import KVCacheManager
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import NULL_BLOCK, SeqStatus, Sequence
-from kvlab.engine.sizing import LayerGroup
+from kvlab.layout import LayerGroup
 
 LAYOUTS = {
     "full": [LayerGroup("full", None, (0, 1))],

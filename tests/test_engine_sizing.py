@@ -12,8 +12,8 @@ from kvlab.cli import main
 from kvlab.dtypes import kv_dtype
 from kvlab.engine.engine import kv_memory_for
 from kvlab.engine.llm import LLM
-from kvlab.engine.options import EngineOptions
-from kvlab.engine.sizing import kv_cache_capacity, layer_groups
+from kvlab.options import EngineOptions
+from kvlab.layout import kv_cache_capacity, layer_groups
 from kvlab.hardware import system_memory
 from kvlab.plan import PlanRequest, make_plan
 from tests.test_engine_parity import tiny_config, tiny_model  # noqa: F401 (fixtures)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvlab.engine.llm import LLM
-from kvlab.engine.sizing import cdiv
+from kvlab.layout import cdiv
 from kvlab.generate import generate
 from kvlab.gguf import export_folder, open_gguf
 from kvlab.models import NoCache, load

@@ -318,12 +318,12 @@ def test_smollm2_served_chat_uses_the_files_template(caplog):
     """`kvlab serve` on the default GGUF: /v1/chat/completions renders the file's ChatML template,
     and the paged engine answers as the plain loop does."""
     openai = pytest.importorskip("openai")
-    from kvlab.engine.options import EngineOptions
+    from kvlab.options import EngineOptions, ModelOptions
     from kvlab.server.run import build_bridge
     from tests.test_server_fixtures import LiveServer
 
     with caplog.at_level("INFO", "kvlab.server"):  # fp32 where auto picks it: 45 KiB per token
-        bridge = build_bridge(None, EngineOptions(kv_memory="32MiB", max_model_len=512))
+        bridge = build_bridge(ModelOptions(), EngineOptions(kv_memory="32MiB", max_model_len=512))
     # start-up log: the Q4_1 file runs in fp32 on every CPU
     assert "SmolLM2-135M-Instruct.Q4_1 in fp32 (auto: Q4_1 weights, exact in fp32" in caplog.text
     live = LiveServer(bridge)

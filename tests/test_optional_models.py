@@ -9,7 +9,7 @@ import torch
 
 from kvlab.catalog import OPTIONAL, load_spec, model_path
 from kvlab.engine.llm import LLM
-from kvlab.engine.sizing import cdiv
+from kvlab.layout import cdiv
 from kvlab.generate import generate
 from kvlab.measure import count_cache
 from kvlab.models import NoCache, load

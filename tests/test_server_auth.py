@@ -12,6 +12,7 @@ import pytest
 
 import kvlab.server.auth as auth
 from kvlab.cli import main
+from kvlab.options import ModelOptions
 from kvlab.server.run import build_bridge, is_loopback
 from tests.test_server_fixtures import MODEL_ID, LiveServer, make_tiny_model, tiny_bridge
 
@@ -86,8 +87,8 @@ def test_chat_templates_render_in_the_sandbox(tmp_path):
     """A template from a downloaded checkpoint that reaches for Python internals fails as one
     clean 400; the server keeps serving."""
     escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
-    live = LiveServer(build_bridge(make_tiny_model(tmp_path, chat_template=escape), dtype="fp32",
-                                   random_weights=True, served_model_name=MODEL_ID))
+    live = LiveServer(build_bridge(ModelOptions(str(make_tiny_model(tmp_path, chat_template=escape)), dtype="fp32",
+                                                random_weights=True), served_model_name=MODEL_ID))
     try:
         with httpx.Client(base_url=live.url, timeout=30) as http:
             r = http.post("/v1/chat/completions", json=BODIES["/v1/chat/completions"])

@@ -20,7 +20,7 @@ import torch
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions, ModelOptions
 from kvlab.server.app import create_app
 from kvlab.server.bridge import EngineBridge
 from kvlab.server.run import build_bridge
@@ -58,7 +58,7 @@ def tiny_bridge(folder: Path, **engine: object) -> EngineBridge:
     """An engine over the tiny model in fp32 (exact greedy comparisons): 8-token blocks and a
     1 MiB cache (256 blocks) unless ``engine`` options say otherwise."""
     options = EngineOptions(**{"block_size": 8, "kv_memory": 2**20, **engine})  # type: ignore[arg-type]
-    return build_bridge(make_tiny_model(folder), options, dtype="fp32", random_weights=True,
+    return build_bridge(ModelOptions(str(make_tiny_model(folder)), dtype="fp32", random_weights=True), options,
                         served_model_name=MODEL_ID)
 
 

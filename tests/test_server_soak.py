@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from benchmarks.soak import idle_cache, leaked_blocks, mismatches, run_traffic
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions, ModelOptions
 from kvlab.server.run import build_bridge
 from tests.test_server_fixtures import CORPUS, MODEL_ID, LiveServer, make_tiny_model, tiny_bridge
 
@@ -43,8 +43,8 @@ def test_deterministic_server_answers_as_alone_in_bf16(tmp_path):
     """--deterministic under the same mixed traffic, in bf16 (where batching otherwise changes
     rounding): every completed output is bitwise its solo run in the same mode."""
     options = EngineOptions(block_size=8, kv_memory=24 * 8 * 256, preemption="swap-ram", deterministic=True)
-    live = LiveServer(build_bridge(make_tiny_model(tmp_path), options, dtype="bf16", random_weights=True,
-                                   served_model_name=MODEL_ID))
+    live = LiveServer(build_bridge(ModelOptions(str(make_tiny_model(tmp_path)), dtype="bf16", random_weights=True),
+                                   options, served_model_name=MODEL_ID))
     try:
         pool = [f"{CORPUS[i % 3][:30 + 7 * i]} ({i})" for i in range(12)]
         traffic = asyncio.run(run_traffic(live.url, MODEL_ID, 60, 8, pool, [8, 24, 40], max_requests=6))

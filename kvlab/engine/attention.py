@@ -36,7 +36,7 @@ from torch import Tensor
 from kvlab import kernels
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.sequence import NULL_BLOCK
-from kvlab.engine.sizing import LayerGroup, cdiv
+from kvlab.layout import LayerGroup, cdiv
 from kvlab.models.attention import _mask, _sdpa, attend_scored
 from kvlab.models.invariant import SPLIT, split_attention
 

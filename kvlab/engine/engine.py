@@ -15,13 +15,13 @@ from kvlab.eviction import EvictionPolicy
 from kvlab.data import PERSUASION
 from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.engine.output import OutputProcessor
 from kvlab.engine.executor import CacheConfig, Executor, make_executor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
-from kvlab.engine.sizing import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
+from kvlab.layout import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.hardware import system_memory
 from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import weight_bytes

@@ -46,12 +46,12 @@ from torch import Tensor, nn
 from kvlab.engine.attention import InvariantAttention, PagedAttention, SeqSpan
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.kv_manager import BlockCopies
-from kvlab.engine.options import TorchrunRank, check_torchrun_tp, torchrun_rank
-from kvlab.engine.sizing import LayerGroup
+from kvlab.options import TorchrunRank, check_torchrun_tp, torchrun_rank
+from kvlab.layout import LayerGroup
 from kvlab.hardware import available_memory
 from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import first_kv_head, shard_model, weight_bytes
-from kvlab.plan.parallel import check_tp
+from kvlab.layout import check_tp
 
 log = logging.getLogger("kvlab.engine")
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from kvlab import kernels
 from kvlab.dtypes import kv_dtype as lookup_kv_dtype
 from kvlab.engine.kv_manager import BlockCopies
-from kvlab.engine.sizing import LayerGroup
+from kvlab.layout import LayerGroup
 from kvlab.models.attention import NoCache
 from kvlab.models.llama import CausalLM
 from kvlab.spec import ModelSpec

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvlab.engine.block_pool import BlockPool
 from kvlab.engine.sequence import NULL_BLOCK, Sequence
-from kvlab.engine.sizing import LayerGroup, cdiv
+from kvlab.layout import LayerGroup, cdiv
 
 # (source block, destination block) copies per layer group, to run before the step's forward pass
 BlockCopies = list[list[tuple[int, int]]]

@@ -11,14 +11,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvlab.engine.engine import EngineMetrics, LLMEngine, RequestOutput
-from kvlab.engine.options import EngineOptions
-from kvlab.engine.sizing import KVCapacity
+from kvlab.layout import KVCapacity
 from kvlab.models.llama import CausalLM
-from kvlab.models.loader import DEFAULT_DTYPE, load
+from kvlab.models.loader import load_options
+from kvlab.options import EngineOptions, ModelOptions
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.sampling import SamplingParams
 
@@ -31,25 +32,25 @@ class LLM:
     """A model behind the paged engine. ``model``: a GGUF file, a checkpoint folder, a bundled name
     (default ``smollm2-135m``), a catalogue name / config.json with ``random_weights=True``, or a
     built CausalLM.
-    ``dtype``: auto (see kvlab.models.loader.choose_dtype), fp32, bf16 or fp16, and ``weights``:
-    auto, as-stored or dense (``choose_weights``), for a model loaded here.
-    Every EngineOptions field is a keyword argument (block_size, kv_memory, kv_dtype, tp, ...).
-    With ``tp=N`` the model runs as N worker processes on ``device`` (see kvlab.engine.executor)."""
+    Every ModelOptions field but ``model`` (dtype, weights, device, random_weights, seed, threads)
+    and every EngineOptions field (block_size, kv_memory, kv_dtype, tp, ...) is a keyword argument,
+    with the same defaults as the CLI flags (kvlab.options). For a built CausalLM only ``device``
+    of the model's fields applies. With ``tp=N`` the model runs as N worker processes on
+    ``device`` (see kvlab.engine.executor)."""
 
     def __init__(self, model: str | Path | CausalLM | None = None, *,
-                 tokenizer: TextTokenizer | None = None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
-                 random_weights: bool = False, seed: int = 0, weights: str = "auto",
-                 **engine_options: Any) -> None:
-        options = EngineOptions(**engine_options)
-        # tensor-parallel workers cut their shards from a whole model in this process's memory
-        parallel = options.tp > 1
+                 tokenizer: TextTokenizer | None = None, **options: Any) -> None:
+        model_fields = {f.name for f in fields(ModelOptions)} - {"model"}
+        held = ModelOptions(None if model is None or isinstance(model, CausalLM) else str(model),
+                            **{k: options.pop(k) for k in list(options) if k in model_fields})
+        engine_options = EngineOptions(**options)
+        parallel = engine_options.tp > 1
         if isinstance(model, CausalLM):
             built = model
         else:
-            loaded = load(model, dtype, device="cpu" if parallel else device,
-                          random_weights=random_weights, seed=seed, weights=weights)
+            loaded = load_options(held, engine_options.tp)
             built, tokenizer = loaded.model, tokenizer or loaded.tokenizer
-        self.engine = LLMEngine(built, tokenizer, options, device=device if parallel else None)
+        self.engine = LLMEngine(built, tokenizer, engine_options, device=held.device if parallel else None)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes now (they also stop when this process ends)."""

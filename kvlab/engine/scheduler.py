@@ -19,7 +19,7 @@ import torch
 from kvlab.eviction import EvictionPolicy
 from kvlab.engine.kv_manager import BlockCopies, KVCacheManager
 from kvlab.engine.sequence import SeqStatus, Sequence
-from kvlab.engine.sizing import cdiv
+from kvlab.layout import cdiv
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM, check_supported
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from kvlab.models.weights import FORMATS, QuantEmbedding, QuantLinear
+from kvlab.options import ModelOptions
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-DEFAULT_DTYPE = "auto"  # the checkpoint's values exactly, fast on this device (see choose_dtype)
+DEFAULT_DTYPE = ModelOptions.dtype  # "auto": the checkpoint's values exactly, fast on this device (choose_dtype)
 WEIGHTS = ("auto", "as-stored", "dense")  # see choose_weights
 
 # Keys some checkpoints carry that the model recomputes (old RoPE buffers).
@@ -361,6 +362,16 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
                      else ByteTokenizer(spec.vocab_size))
         chat = ChatTemplate.from_checkpoint(folder)
     return Loaded(built, tokenizer, path if gguf is not None else folder, chat, choice, held)
+
+
+def load_options(options: ModelOptions, tp: int = 1) -> Loaded:
+    """``load`` as the options say, torch's threads set first. At ``tp`` > 1 the model loads on
+    the CPU whatever the device: the tensor-parallel workers cut their shards from this whole
+    copy in this process's memory, and each moves its shard to its own device."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    return load(options.model, options.dtype, device="cpu" if tp > 1 else options.device,
+                random_weights=options.random_weights, seed=options.seed or 0, weights=options.weights)
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = DEFAULT_DTYPE, **kwargs) -> CausalLM:

@@ -4,7 +4,7 @@ vLLM and llama.cpp will allocate.
     planner.py     PlanRequest, Plan and make_plan, which runs the steps below in order
     parallel.py    valid TP sizes, each GPU's share of a cache
     memory.py      cache per token / sequence / layer kind, weights (the budget itself is
-                   kvlab.engine.sizing.memory_budget, shared with the engine)
+                   kvlab.layout.memory_budget, shared with the engine)
     capacity.py    longest context that fits, GPUs needed
     speed.py       the FLOP count (forward_flops), the crossover and compute-bound batches, the
                    cache / no-cache work table in tokens and FLOPs

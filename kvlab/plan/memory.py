@@ -1,5 +1,5 @@
 """Memory: the cache per token, sequence and layer kind; weights; logits. The budget these are
-taken from is `kvlab.engine.sizing.memory_budget`, the one model the engine sizes its pool by."""
+taken from is `kvlab.layout.memory_budget`, the one model the engine sizes its pool by."""
 
 from __future__ import annotations
 

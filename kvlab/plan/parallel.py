@@ -5,36 +5,8 @@ from __future__ import annotations
 import math
 
 from kvlab.dtypes import StorageDtype
+from kvlab.layout import VOCAB_PADDING, check_tp, valid_tp_sizes  # noqa: F401  (the planner's TP answers)
 from kvlab.spec import LayerSpec, ModelSpec, rank_kv_heads
-
-VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP
-
-
-def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
-    """TP sizes vLLM accepts: they divide the query heads, the FFN width (each expert's for MoE)
-    and the vocabulary padded to a multiple of 64 (vLLM's VocabParallelEmbedding pads it so, then
-    splits it evenly), and KV heads divide evenly or are replicated (tp a multiple of kv_heads)."""
-    heads = [layer.num_heads for layer in spec.layers if layer.num_heads]
-    kv = [layer.kv_heads for layer in spec.layers if layer.kv_heads and layer.kind != "mla"]
-    # the FFN widths a rank splits: the input width of every down projection (dense, expert, shared)
-    ffn = {m.cols for m in spec.matrices if m.name.endswith("down")}
-    vocab = -(-spec.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-    out = []
-    for tp in range(1, limit + 1):
-        if any(h % tp for h in heads) or any(f % tp for f in ffn) or vocab % tp:
-            continue
-        if any(k % tp and tp % k for k in kv):
-            continue
-        out.append(tp)
-    return out
-
-
-def check_tp(spec: ModelSpec, tp: int) -> None:
-    """ValueError (one line) unless `tp` is one of the model's valid TP sizes."""
-    tps = valid_tp_sizes(spec)
-    if tp not in tps:
-        raise ValueError(f"--tp {tp} is not valid for {spec.name}: valid sizes are {', '.join(map(str, tps))}")
-
 
 def layer_kv_share(layer: LayerSpec, tp: int) -> float:
     """Fraction of a layer's cache that each GPU holds at this TP size.

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvlab.dtypes import StorageDtype, kv_dtype, weight_dtype
-from kvlab.engine.sizing import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacity, memory_budget
+from kvlab.layout import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacity, memory_budget
 from kvlab.hardware import Device, get_device, with_memory
 from kvlab.plan import capacity, speed
 from kvlab.plan.engines import llamacpp, vllm
@@ -138,7 +138,7 @@ class Plan:
     vllm_flags: str | None  # None: not one sequence fits, so no vLLM line would start
     notes: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
-    # the engine's block pool for --kv-memory (kvlab.engine.sizing: what the engine allocates)
+    # the engine's block pool for --kv-memory (kvlab.layout: what the engine allocates)
     kv_cache_blocks: int | None = None
     kv_cache_tokens: int | None = None
     max_concurrency: float | None = None
@@ -229,7 +229,7 @@ def per_gpu_sequence_bytes(spec: ModelSpec, req: PlanRequest, context: int, kvd:
 
 def budget_for(spec: ModelSpec, device: Device, req: PlanRequest, weights: int, tp: int, users: int,
                logit_bytes: int) -> MemoryBudget:
-    """The one memory model (kvlab.engine.sizing) with the planner's prefill chunk."""
+    """The one memory model (kvlab.layout) with the planner's prefill chunk."""
     return memory_budget(spec, device.memory_bytes, req.mem_util, math.ceil(weights / tp),
                          batched_tokens=min(req.context, PREFILL_CHUNK), sequences=users,
                          on_gpu=device.key != "cpu", logit_bytes=logit_bytes)
@@ -423,7 +423,7 @@ def _sources(weights: str, device: Device) -> dict[str, str]:
                                 f"(4 x hidden + 2 x intermediate) x 2 B",
         "runtime_overhead": "estimate: CUDA context, allocator slack, graphs (0.5 GiB on cpu)",
         "kv_budget": "memory x utilisation - weights / TP - activations - logits - runtime "
-                     "(kvlab.engine.sizing.memory_budget, the engine's own model)",
+                     "(kvlab.layout.memory_budget, the engine's own model)",
         "device": device.source,
         "decode_step": "max((weights read + KV of the batch) / memory bandwidth, FLOPs of the batch's "
                        "tokens / peak dense FLOP/s), per GPU at this TP",

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvlab import dispatch
-from kvlab.dtypes import MODEL_DTYPE_HELP, WEIGHTS_HELP
-from kvlab.engine.options import EngineOptions, add_engine_args
+from kvlab.options import EngineOptions, ModelOptions, add_engine_args, add_model_args
 
 if TYPE_CHECKING:  # keep torch out of flag parsing
     from types import FrameType
@@ -34,9 +33,7 @@ if TYPE_CHECKING:  # keep torch out of flag parsing
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file, checkpoint folder or bundled name (default: smollm2-135m), or "
-                   "with --random-weights a catalogue name or config.json")
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
@@ -49,33 +46,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long running requests may take to finish before they are "
                    "ended (default 30)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
-    p.add_argument("--dtype", default="auto", help=MODEL_DTYPE_HELP)
-    p.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
-    p.add_argument("--random-weights", action="store_true", help="random weights from the config (seeded)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random-weights")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is fastest for tiny models on a busy machine)")
     add_engine_args(p)
 
 
-def build_bridge(model: str | Path | None, options: EngineOptions | None = None, *, dtype: str = "auto",
-                 weights: str = "auto", device: str = "cpu", random_weights: bool = False, seed: int = 0,
+def build_bridge(model: ModelOptions, options: EngineOptions | None = None, *,
                  served_model_name: str | None = None) -> EngineBridge:
     """Load the model, allocate the paged cache, and wrap the engine for the app."""
     from kvlab.engine.llm import LLM
-    from kvlab.models import load
+    from kvlab.models import load_options
     from kvlab.server.bridge import EngineBridge
 
     options = options or EngineOptions()
-    # tensor-parallel workers cut their shards from a whole model in this process's memory
-    loaded = load(model, dtype, device="cpu" if options.tp > 1 else device, random_weights=random_weights,
-                  seed=seed, weights=weights)
+    loaded = load_options(model, options.tp)
     logger = logging.getLogger("kvlab.server")
     logger.info("%s in %s; weights %s", loaded.model.name, loaded.dtype, loaded.weights)
     logger.info("CPU paths: %s", "; ".join(f"{f.switch} {'on' if f else 'off'} ({f.why})"
                                            for f in dispatch.report()))
-    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=device, **asdict(options))
+    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=model.device, **asdict(options))
     return EngineBridge(llm.engine, served_model_name or loaded.model.name, loaded.chat_template)
 
 
@@ -104,12 +91,7 @@ def serve(args: argparse.Namespace) -> int:
               "port could run the model (--allow-unauthenticated to do it anyway)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    bridge = build_bridge(args.model, EngineOptions.from_args(args), dtype=args.dtype, weights=args.weights,
-                          device=args.device, random_weights=args.random_weights, seed=args.seed,
+    bridge = build_bridge(ModelOptions.from_args(args), EngineOptions.from_args(args),
                           served_model_name=args.served_model_name)
     print(f"kvlab: serving {bridge.model_id} on http://{args.host}:{args.port}/ "
           f"(OpenAI API under /v1, metrics at /metrics)", file=sys.stderr, flush=True)

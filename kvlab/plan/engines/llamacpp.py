@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvlab.engine.sizing import cdiv
+from kvlab.layout import cdiv
 from kvlab.spec import LayerSpec, ModelSpec
 
 PAD = 256  # llama_context pads n_ctx (and each stream's share) to this many cells

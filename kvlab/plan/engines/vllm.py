@@ -20,7 +20,7 @@ The formula follows vLLM 0.32's `vllm/v1/core/kv_cache_utils.py` and `vllm/v1/kv
 On CPU the KV memory is what `VLLM_CPU_KVCACHE_SPACE` (GiB) or `--kv-cache-memory-bytes` says;
 without either, vLLM 0.32 takes total RAM x utilisation less what the process already holds
 (measured at start-up, so kvlab can only estimate it). On a GPU vLLM profiles a forward pass; kvlab
-states its own estimate (`kvlab.engine.sizing.memory_budget`) and says so.
+states its own estimate (`kvlab.layout.memory_budget`) and says so.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvlab.engine.sizing import cdiv
+from kvlab.layout import cdiv
 from kvlab.spec import LayerSpec, ModelSpec
 
 VERSIONS = ("0.32",)  # the releases whose log line kvlab reproduces; the first is the default

@@ -1,5 +1,7 @@
-"""The engine's options, defined once: the same names as ``LLM(...)`` keyword arguments and as
-CLI flags (``block_size`` <-> ``--block-size``) on every command that runs the engine."""
+"""Every option of the model and the engine, defined once: one dataclass field each, with its one
+default and help, the same name as ``LLM(...)``'s keyword argument and as the CLI flag
+(``block_size`` <-> ``--block-size``) on every command that takes it. Torch-free: the CLI parses
+flags before anything heavy loads."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kvlab.dtypes import MODEL_DTYPE_HELP, WEIGHTS_HELP
 from kvlab.eviction import POLICIES, EvictionPolicy, parse_budget
 from kvlab.units import parse_bytes
 
@@ -90,6 +93,37 @@ def _opt(default: Any, help: str, **flag: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class ModelOptions:
+    """Which model, and how it is held: ``kvlab.models.load_options`` loads it."""
+
+    model: str | None = _opt(None, "GGUF file, checkpoint folder or bundled name (default: smollm2-135m), "
+                             "or with --random-weights a catalogue name or config.json",
+                             positional=True, nargs="?")
+    dtype: str = _opt("auto", MODEL_DTYPE_HELP)
+    weights: str = _opt("auto", WEIGHTS_HELP)
+    device: str = _opt("cpu", "cpu (default), cuda, or auto")
+    random_weights: bool = _opt(False, "random weights from the config (seeded by --seed)", action="store_true")
+    seed: int | None = _opt(None, "seed of --random-weights (default 0), and of the command's own randomness "
+                            "where it has some (generate: sampling, unseeded by default; bench: the workload, 0)",
+                            type=int, metavar="N")
+    threads: int | None = _opt(None, "CPU threads for torch and kvlab's kernels (default: torch's choice)",
+                               type=positive_int, metavar="N")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelOptions:
+        """The options a parser built by ``add_model_args`` read (defaults for flags it lacks)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None,
+                   **defaults: tuple[Any, str]) -> None:
+    """Add ModelOptions fields as flags (all, or ``only`` those; read back with
+    ModelOptions.from_args). A command whose job needs another default passes it with the
+    reason, which its help then shows: ``dtype=("fp32", "why")``."""
+    _add_fields(parser, ModelOptions, "model", defaults, only)
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     block_size: int = _opt(16, "tokens per KV block (default 16)", type=positive_int, metavar="N")
     kv_memory: int | None = _opt(
@@ -155,14 +189,33 @@ class EngineOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        """The options a parser built by ``add_engine_args`` read (defaults for flags it lacks)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add every EngineOptions field as a flag (read back with EngineOptions.from_args)."""
-    group = parser.add_argument_group("engine")
-    for f in fields(EngineOptions):
+def add_engine_args(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None,
+                    **defaults: tuple[Any, str]) -> None:
+    """Add EngineOptions fields as flags (all, or ``only`` those; read back with
+    EngineOptions.from_args); ``defaults`` as for ``add_model_args``."""
+    _add_fields(parser, EngineOptions, "engine", defaults, only)
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str,
+                defaults: dict[str, tuple[Any, str]], only: tuple[str, ...] | None = None) -> None:
+    group = parser.add_argument_group(title)
+    unknown = set(defaults) - {f.name for f in fields(cls)}
+    if unknown:
+        raise TypeError(f"no {cls.__name__} field {', '.join(sorted(unknown))}")
+    for f in fields(cls):
+        if only is not None and f.name not in only:
+            continue
         meta = dict(f.metadata)
-        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
         default = f.default if f.default is not MISSING else None
+        if f.name in defaults:
+            default, why = defaults[f.name]
+            meta["help"] = f"{meta['help']}; here {default}: {why}"
+        if meta.pop("positional", False):
+            parser.add_argument(f.name, default=default, **meta)
+            continue
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
         group.add_argument(flag, dest=f.name, default=default, **meta)

@@ -1,5 +1,7 @@
-"""How many KV blocks a memory budget buys: the one formula the engine allocates by and the planner
-prints, so `kvlab plan --kv-memory` and the engine's start-up line can never disagree.
+"""What the engine holds, in numbers: how many KV blocks a memory budget buys and which tensor-parallel
+sizes a model splits into. The one formula the engine allocates by and the planner prints, so
+`kvlab plan --kv-memory` and the engine's start-up line can never disagree; torch-free, so both
+`kvlab.plan` and `kvlab.engine` stand on it and neither imports the other.
 
 Layers are grouped by how far back they attend (full layers, or sliding layers of one window);
 each group gets its own block pool and block table per sequence. Every group gets the same number
@@ -140,3 +142,32 @@ def kv_cache_capacity(spec: ModelSpec, kv_memory: int, block_size: int, kv_dtype
         bytes_per_token=per_token, block_size=block_size, max_model_len=max_model_len,
         kv_dtype=dtype.name,
     )
+
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP
+
+
+def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
+    """TP sizes vLLM accepts: they divide the query heads, the FFN width (each expert's for MoE)
+    and the vocabulary padded to a multiple of 64 (vLLM's VocabParallelEmbedding pads it so, then
+    splits it evenly), and KV heads divide evenly or are replicated (tp a multiple of kv_heads)."""
+    heads = [layer.num_heads for layer in spec.layers if layer.num_heads]
+    kv = [layer.kv_heads for layer in spec.layers if layer.kv_heads and layer.kind != "mla"]
+    # the FFN widths a rank splits: the input width of every down projection (dense, expert, shared)
+    ffn = {m.cols for m in spec.matrices if m.name.endswith("down")}
+    vocab = -(-spec.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    out = []
+    for tp in range(1, limit + 1):
+        if any(h % tp for h in heads) or any(f % tp for f in ffn) or vocab % tp:
+            continue
+        if any(k % tp and tp % k for k in kv):
+            continue
+        out.append(tp)
+    return out
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """ValueError (one line) unless `tp` is one of the model's valid TP sizes."""
+    tps = valid_tp_sizes(spec)
+    if tp not in tps:
+        raise ValueError(f"--tp {tp} is not valid for {spec.name}: valid sizes are {', '.join(map(str, tps))}")
