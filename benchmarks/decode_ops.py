@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvlab.bench import Workload
 from kvlab.engine.engine import LLMEngine
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.models import load
 from kvlab.sampling import SamplingParams
 

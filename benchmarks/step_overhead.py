@@ -21,7 +21,7 @@ import torch
 
 from kvlab.bench import Workload, parse_range
 from kvlab.engine.engine import LLMEngine
-from kvlab.engine.options import EngineOptions
+from kvlab.options import EngineOptions
 from kvlab.models import load
 from kvlab.sampling import SamplingParams
 
