@@ -122,7 +122,7 @@ class BenchResult:
     hf_batch_size: int | None = None
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
     dtype_why: str = ""  # how the loader chose `dtype` (kvlab.models.loader.choose_dtype)
-    linear_kernel: str = ""  # what runs the linear layers (kvlab.kernels.describe)
+    linear_kernel: str = ""  # what runs the linear layers (kvlab.dispatch.Backends.linear_kernel)
     deterministic_why: str = ""  # the flag, or auto's reason (kvlab.engine.engine.deterministic_is_free)
     notes: list[str] = field(default_factory=list)
 

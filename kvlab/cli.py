@@ -304,7 +304,7 @@ def _length_range(text: str) -> tuple[int, int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from kvlab import kernels
+    from kvlab import dispatch
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.models import load_options
     from kvlab.options import EngineOptions, ModelOptions
@@ -323,7 +323,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     result.dtype_why, result.weights = loaded.dtype.why, str(loaded.weights)
-    result.linear_kernel = kernels.describe(model.dtype, result.deterministic)
+    result.linear_kernel = dispatch.backends().linear_kernel(model.dtype, result.deterministic)
     add_compute_bound(result, model)
     if options.tp > 1:
         ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None

@@ -20,6 +20,40 @@ def _cpu_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(hw, "CACHE_FILE", tmp_path_factory.getbasetemp() / "kvlab-cpu.json")
 
 
+@pytest.fixture
+def switch_off(monkeypatch):
+    """``switch_off("KVLAB_KERNELS")``: that CPU path off from now on in this test, through its one
+    switch, as a process started with ``KVLAB_KERNELS=off`` would see it (kvlab.dispatch reads the
+    switches once per process: its decision is read afresh, and again after the test)."""
+    from kvlab import dispatch
+
+    def off(switch: str) -> None:
+        monkeypatch.setenv(switch, "off")
+        dispatch.backends.cache_clear()
+        dispatch.onednn_bf16.cache_clear()
+
+    yield off
+    dispatch.backends.cache_clear()
+    dispatch.onednn_bf16.cache_clear()
+
+
+@pytest.fixture
+def backends_with():
+    """What runs here, with some paths forced on or off (``onednn_bf16=True``): kvlab.dispatch's
+    decision as a model or a choice takes it as an argument, so a branch this CPU lacks is
+    testable without patching the probe."""
+    from dataclasses import replace
+
+    from kvlab import dispatch
+
+    def make(**on: bool) -> dispatch.Backends:
+        here = dispatch.backends()
+        return replace(here, **{name: dispatch.Feature(getattr(here, name).switch, value, "forced by a test")
+                                for name, value in on.items()})
+
+    return make
+
+
 def llama_like(**over) -> dict:
     """A Llama-style config dict for tests; keyword arguments override fields."""
     cfg = {

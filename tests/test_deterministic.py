@@ -4,6 +4,7 @@ beside it (batch, chunk budget, preemption by recompute or swap, prefix-cache hi
 from __future__ import annotations
 
 import contextlib
+import os
 import json
 from unittest import mock
 
@@ -13,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.engine.llm import LLM
 from kvlab.models.invariant import SPLIT, BatchInvariantError, check_linears, split_attention
 from kvlab.models.llama import Linear
+from kvlab.models.methods import Gemm
 from kvlab.models.loader import build_model, init_random_
 from kvlab.sampling import SamplingParams
 from kvlab.spec import spec_from_config
@@ -38,16 +40,26 @@ def models():
     return {"fp32": near_tie_model("fp32"), "bf16": near_tie_model("bf16")}
 
 
+@contextlib.contextmanager
+def kernels_off():
+    """``KVLAB_KERNELS=off`` for a while (kvlab.dispatch decides afresh on entry and on exit)."""
+    with mock.patch.dict(os.environ, {"KVLAB_KERNELS": "off"}):
+        dispatch.backends.cache_clear()
+        try:
+            yield
+        finally:
+            dispatch.backends.cache_clear()
+
+
 def outcome(out) -> tuple:
     return tuple(out.token_ids), tuple((lp.token_id, lp.logprob) for lp in out.logprobs)
 
 
 def test_linear_rows_are_stable_once_padded_to_the_probed_block():
     torch.manual_seed(0)
-    layer = Linear(96, 80, bias=True)
-    layer.native_rows = 0  # PyTorch's GEMM, whose rows need the padding (the native kernel's do not)
+    layer = Linear(96, 80, bias=True)  # PyTorch's GEMM, whose rows need the padding (the native kernel's do not)
     block = check_linears([layer], torch.float32, torch.device("cpu"))
-    layer.row_block = block
+    layer.method = Gemm(row_block=block)
     x = torch.randn(50, 96)
     with torch.inference_mode():
         alone = layer(x[:1])[0]
@@ -103,8 +115,7 @@ def test_requests_match_their_solo_runs_bitwise(models, data):
     native = data.draw(st.booleans(), "native kernels")
     with contextlib.ExitStack() as stack:
         if not native:
-            for name in ("usable", "attention_usable"):
-                stack.enter_context(mock.patch.object(kernels, name, lambda *a: False))
+            stack.enter_context(kernels_off())
         llm = LLM(model, deterministic=True, max_num_batched_tokens=budget, preemption=preemption,
                   kv_memory=blocks * per_block, max_model_len=128)
         together = llm.generate([p for p, _ in requests], [s for _, s in requests])
@@ -157,7 +168,7 @@ def test_what_deterministic_mode_cannot_honour_is_a_one_line_error(models):
     assert model.invariant_rows is not None
     LLM(model, deterministic=False)  # the same model back in the fast mode
     assert model.invariant_rows is None and all(
-        m.row_block == 1 for m in model.modules() if isinstance(m, Linear))
+        getattr(m.method, "fallback", m.method).row_block == 1 for m in model.modules() if isinstance(m, Linear))
 
 
 def test_generate_deterministic_is_the_servers_answer_under_load(capsys):
@@ -177,8 +188,8 @@ def test_generate_deterministic_is_the_servers_answer_under_load(capsys):
     assert cli["token_ids"] == outs[0].token_ids
 
 
-def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_free(models, monkeypatch):
-    from kvlab import kernels
+def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_free(models, switch_off):
+    from kvlab import dispatch
     from kvlab.options import EngineOptions, add_engine_args
 
     def mode(model, **opts):
@@ -186,7 +197,7 @@ def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_fr
         return engine.options.deterministic, engine.deterministic_why
 
     on, why = mode(models["fp32"])
-    assert on == kernels.status().available and why.startswith("auto: ")
+    assert on == bool(dispatch.backends().native) and why.startswith("auto: ")
     # one rule on every CPU: bf16 is deterministic on request only, whatever oneDNN offers here
     assert mode(models["bf16"]) == (
         False, "auto: free only in fp32; bf16 runs are deterministic on request (--deterministic)")
@@ -195,8 +206,8 @@ def test_by_default_deterministic_mode_is_on_where_the_native_kernels_make_it_fr
     assert mode(models["fp32"], kv_policy="streaming", kv_budget=64)[0] is False
     assert mode(models["fp32"], deterministic=False) == (False, "--no-deterministic")
     assert mode(models["bf16"], deterministic=True) == (True, "--deterministic")
-    monkeypatch.setattr(kernels, "status", lambda: kernels.Status(False, "no C compiler"))
-    assert mode(models["fp32"]) == (False, "auto: kvlab's native kernels do not run here: no C compiler")
+    switch_off("KVLAB_KERNELS")
+    assert mode(models["fp32"]) == (False, "auto: kvlab's native kernels do not run here: KVLAB_KERNELS=off")
     import argparse
 
     parser = argparse.ArgumentParser()

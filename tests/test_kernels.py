@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.models.llama import Linear
 
 
@@ -82,19 +82,24 @@ def test_a_row_is_bitwise_the_same_in_any_batch_at_any_place_on_any_thread_count
         torch.set_num_threads(threads)
 
 
-def test_linear_runs_the_kernel_up_to_native_rows_and_pytorch_above_or_with_autograd():
+def test_linear_runs_the_kernel_up_to_its_rows_and_pytorch_above():
+    """A layer set up with the native kernel for 5 rows: the kernel's bits up to 5, F.linear's
+    above; one no model has set up runs F.linear (gradients flow); a shape mismatch is F.linear's
+    error."""
     native()
+    from kvlab import dispatch
+    from kvlab.models.methods import Setting
+
     torch.manual_seed(0)
     layer = Linear(40, 24, bias=True)
-    layer.native_rows = 5
     x = torch.randn(6, 40)
-    with torch.inference_mode():
-        assert torch.equal(layer(x[:5]), kernels.linear(x[:5], layer.weight, layer.bias))
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     xs = x[:2].clone().requires_grad_()
-    layer(xs).sum().backward()  # autograd: PyTorch's op, so gradients flow
+    layer(xs).sum().backward()
     assert xs.grad is not None and layer.weight.grad is not None
-    assert not kernels.usable(x[:, :39], layer.weight, None)  # shapes that do not match: F.linear's error
+    layer.requires_grad_(False)
+    layer.choose(Setting(dispatch.backends(), torch.float32, torch.device("cpu"), native_rows=5))
+    assert torch.equal(layer(x[:5]), kernels.linear(x[:5], layer.weight, layer.bias))
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     with pytest.raises(RuntimeError):
         layer(x[:2, :39])
 
@@ -117,17 +122,26 @@ def test_off_or_a_failed_build_falls_back_to_pytorch_and_says_why(tmp_path):
 
 
 def test_deterministic_mode_runs_every_row_count_natively_with_no_padding():
+    """Deterministic mode: where the native kernel runs, every linear layer takes every row count
+    on it, with no padded rows; elsewhere PyTorch's GEMM pads to the probed block. Off again: the
+    fast choices, no padding."""
+    from kvlab import dispatch
+    from kvlab.models import methods
     from tests.test_deterministic import near_tie_model
 
     for dtype in ("fp32", "bf16"):
-        natively = kernels.status().available
         model = near_tie_model(dtype)
-        model.set_batch_invariant(True)
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        rows = {m.row_block for m in linears}
-        assert rows == ({1} if natively else {model.invariant_rows}), (dtype, rows)
-        model.set_batch_invariant(False)
-        assert {(m.row_block, m.native_rows) for m in linears} == {(1, None)}
+        model.use(deterministic=True)
+        chosen = [m.method for m in model.modules() if isinstance(m, Linear) and type(m) is Linear]
+        if dispatch.backends().native:
+            assert all(isinstance(c, methods.Native) and c.rows == sys.maxsize and c.fallback.row_block == 1
+                       for c in chosen), dtype
+        else:
+            assert {c.row_block for c in chosen} == {model.invariant_rows}, dtype
+        model.use(deterministic=False)
+        assert model.invariant_rows is None
+        assert all(getattr(m.method, "fallback", m.method).row_block == 1 for m in model.modules()
+                   if isinstance(m, Linear))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -233,7 +247,7 @@ def tiny(dtype: str, **over):
                                                           ("fp32", "bf16", True), ("bf16", "auto", True),
                                                           ("bf16", "fp32", False)])
 def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dtype, kv_dtype, deterministic,
-                                                                             onednn, monkeypatch):
+                                                                             onednn, monkeypatch, switch_off):
     """One native call for the layers (``kvlab.kernels.decoder_layers``) against the layers' modules
     calling the same kernels op by op: the same bits, so a step may take either path (deterministic
     mode runs a step with a scored span through the modules). Biases (Qwen2's q/k/v), a window,
@@ -243,12 +257,12 @@ def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dty
     native()
     from kvlab import dispatch
     from kvlab.engine.llm import LLM
-    from kvlab.models.llama import DecoderLayer
+    from kvlab.models.llama import CausalLM
     from kvlab.sampling import SamplingParams
 
     if onednn == "off":
-        monkeypatch.setattr(dispatch, "onednn_bf16", lambda: dispatch.Feature("KVLAB_ONEDNN_BF16", False, "off"))
-    packs = dtype == "bf16" and not deterministic and bool(dispatch.onednn_bf16())
+        switch_off("KVLAB_ONEDNN_BF16")
+    packs = dtype == "bf16" and not deterministic and bool(dispatch.backends().onednn_bf16)
 
     model = tiny(dtype, model_type="qwen2", num_hidden_layers=2, sliding_window=6,
                  layer_types=["sliding_attention", "full_attention"])
@@ -269,7 +283,8 @@ def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dty
         assert not calls  # oneDNN's packed matmuls: the modules run
     else:
         assert calls and max(calls) > 1  # batched rows went through it
-    monkeypatch.setattr(DecoderLayer, "native_weights", lambda self, x: None)
+    # the reference: the modules op by op (what a step the stack cannot take runs)
+    monkeypatch.setattr(CausalLM, "_native_layers", lambda *args: None)
     calls.clear()
     by_modules = run()
     assert not calls
@@ -277,12 +292,13 @@ def test_the_native_decoder_layer_is_bitwise_the_modules_running_the_kernels(dty
 
 
 def test_the_native_stack_is_gathered_once_and_again_after_a_weight_moves(monkeypatch):
-    """``CausalLM.native_stack`` gathers the layers' weights once, not per step; a prompt past the
-    linear kernel's rows runs through the modules without spoiling that (decode still gathers);
-    and a weight moved under it (``.data =``) is gathered again, giving the modules' tokens."""
+    """The layers' weights are gathered when the model chooses how it runs, not per step; a
+    prompt past the linear kernel's rows runs through the modules (decode still takes the
+    stack); and a weight moved under it (``.data =``) is gathered again, giving the modules'
+    tokens."""
     native()
     from kvlab.engine.llm import LLM
-    from kvlab.models.llama import DecoderLayer
+    from kvlab.models.llama import CausalLM
     from kvlab.sampling import SamplingParams
 
     model = tiny("fp32", num_hidden_layers=3)
@@ -290,47 +306,43 @@ def test_the_native_stack_is_gathered_once_and_again_after_a_weight_moves(monkey
     real = kernels.LayerStack
     monkeypatch.setattr(kernels, "LayerStack", lambda layers: built.append(len(layers)) or real(layers))
     llm = LLM(model, deterministic=False)
+    gathered = len(built)
+    assert gathered and set(built) == {3, 2}  # all layers, and all but the last (logits from some rows)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = list(range(1, 2 + kernels.MAX_ROWS))  # past the kernel's rows: the modules run it
     llm.generate([prompt], params)
-    assert built == [3]  # eight decode steps, one gathering of all three layers
+    assert len(built) == gathered  # eight steps, nothing gathered again
     weight = model.model.layers[1].mlp.up_proj.weight
     weight.data = weight.data * 0.5
     stacked = llm.generate([prompt], params)[0].token_ids
-    assert built == [3, 3]
-    monkeypatch.setattr(DecoderLayer, "native_weights", lambda self, x: None)
+    assert len(built) > gathered
+    monkeypatch.setattr(CausalLM, "_native_layers", lambda *args: None)
     assert llm.generate([prompt], params)[0].token_ids == stacked
 
 
-def test_the_native_decoder_layer_runs_only_where_every_op_is_native(monkeypatch):
-    """Autograd, packed or tensor-parallel linears, q/k norms (Qwen3) or rows past the linear
-    kernel's limit: the modules run."""
+def test_the_native_decoder_layer_runs_only_where_every_op_is_native():
+    """Packed or tensor-parallel linears, q/k norms (Qwen3), another dtype or no native linear
+    kernel: the modules run the layer."""
     native()
-    from kvlab.models.llama import Linear as KvLinear
+    from kvlab import dispatch
+    from kvlab.models.methods import Setting
     from kvlab.models.parallel import RowParallelLinear
 
     model = tiny("fp32")
     layer = model.model.layers[0]
-    x = torch.randn(3, model.spec.hidden_size)
-    with torch.inference_mode():
-        packed = layer.native_weights(x)
-        assert packed is not None and len(packed.weights) == 16
-        assert packed.weights[2] is None and packed.weights[9] is layer.post_attention_layernorm.weight
-        # a replaced parameter, or one moved by a cast, is gathered again
-        layer.self_attn.k_proj.weight = torch.nn.Parameter(layer.self_attn.k_proj.weight.clone())
-        assert layer.native_weights(x).weights[3] is layer.self_attn.k_proj.weight
-        layer.mlp.up_proj.weight.data = layer.mlp.up_proj.weight.data.clone()
-        assert layer.native_weights(x).addresses[12] == layer.mlp.up_proj.weight.data_ptr()
-        layer.mlp.down_proj.native_rows = 2
-        assert layer.native_weights(x) is None
-        layer.mlp.down_proj.native_rows = None
-        assert tiny("fp32", model_type="qwen3").model.layers[0].native_weights(x) is None
-        o = layer.self_attn.o_proj
-        layer.self_attn.o_proj = RowParallelLinear(o.weight, o.bias, None)
-        assert layer.native_weights(x) is None
-        layer.self_attn.o_proj = o
-        assert isinstance(o, KvLinear) and layer.native_weights(x.bfloat16()) is None  # dtypes differ
-    assert layer.native_weights(x) is None  # autograd on
+    gathered = layer.native_weights(torch.float32)
+    assert gathered is not None
+    weights, rows = gathered
+    assert len(weights.weights) == 16 and rows == kernels.MAX_ROWS
+    assert weights.weights[2] is None and weights.weights[9] is layer.post_attention_layernorm.weight
+    assert layer.native_weights(torch.bfloat16) is None  # the weights are fp32
+    assert tiny("fp32", model_type="qwen3").model.layers[0].native_weights(torch.float32) is None
+    layer.choose(Setting(dispatch.backends(), torch.float32, torch.device("cpu"), native_rows=0), False)
+    assert layer.native_weights(torch.float32) is None
+    o = layer.self_attn.o_proj
+    layer.self_attn.o_proj = RowParallelLinear(o.weight, o.bias, None)
+    model.use()
+    assert layer.native_weights(torch.float32) is None and not model._stacks
 
 
 def test_the_row_wise_kernels_are_pytorchs_ops():
@@ -362,7 +374,9 @@ def test_the_row_wise_kernels_are_pytorchs_ops():
             kernels.store_kv(k, v, kc, vc, slots)
             assert torch.equal(kc[:, slots], k.to(cache_dtype).transpose(0, 1))
             assert torch.equal(vc[:, slots], v.to(cache_dtype).transpose(0, 1))
-            assert kc.sum() == kc[:, slots].sum()  # nothing else written
+            rest = kc.clone()
+            rest[:, slots] = 0
+            assert not rest.any()  # nothing else written
         g, u = torch.randn(3, 37).to(dtype), torch.randn(3, 37).to(dtype)
         want = F.silu(g.float()).to(dtype) * u
         got = kernels.silu_mul_(g.clone(), u)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvlab import dispatch
+from kvlab.models.loader import choose_dtype as loader_choose_dtype
 from kvlab.generate import generate
 from kvlab.models import (
     ContiguousKVCache,
@@ -208,7 +209,7 @@ def test_dtype_choice_and_default(tmp_path):
     # a bf16 checkpoint runs in fp32 (exact) on every CPU; --dtype bf16 where it is faster
     bf16 = load(bf16_checkpoint(tmp_path / "bf16"))
     assert bf16.model.dtype == torch.float32 and bf16.dtype.why.startswith("auto: bf16 weights, exact in fp32")
-    assert ("--dtype bf16 runs faster here" in bf16.dtype.why) is bool(dispatch.onednn_bf16())
+    assert ("--dtype bf16 runs faster here" in bf16.dtype.why) is bool(dispatch.backends().onednn_bf16)
 
 
 def test_stored_format_of_each_kind_of_checkpoint(tmp_path):
@@ -225,17 +226,20 @@ def test_stored_format_of_each_kind_of_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("onednn", [True, False])
-def test_auto_dtype_rule(onednn, monkeypatch):
+def test_auto_dtype_rule(onednn, backends_with):
     """auto keeps the checkpoint's values exactly and the same tokens on every CPU: fp32 for every
     stored format on a CPU, with or without oneDNN's bf16 kernels (both branches, whatever this
     CPU has); on a GPU fp16 for fp16 weights, else bf16. Each choice says why."""
-    feature = dispatch.Feature("KVLAB_ONEDNN_BF16", onednn, "probe" if onednn else "no kernels here")
-    monkeypatch.setattr(dispatch, "onednn_bf16", lambda: feature)
+    here = backends_with(onednn_bf16=onednn)
+
+    def choose_dtype(name, device="cpu", stored="fp32"):
+        return loader_choose_dtype(name, device, stored, here)
+
     for stored in ("bf16", "fp32", "fp16", "Q4_1", "Q8_0"):
         cpu = choose_dtype("auto", "cpu", stored)
         assert cpu.dtype == torch.float32 and cpu.why.startswith(f"auto: {stored} weights") and cpu.name in str(cpu)
     assert "exact in fp32 (bf16 would round them)" in choose_dtype("auto", "cpu", "Q4_1").why
-    assert ("no kernels here" in choose_dtype("auto", "cpu", "bf16").why) is not onednn
+    assert ("forced by a test" in choose_dtype("auto", "cpu", "bf16").why) is not onednn
     assert ("--dtype bf16 runs faster here" in choose_dtype("auto", "cpu", "bf16").why) is onednn
     for stored, want in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("Q4_1", torch.bfloat16)):
         gpu = choose_dtype("auto", "cuda:0", stored)  # no GPU needed: the rule reads the device's kind
@@ -255,7 +259,7 @@ def test_auto_says_bf16_is_faster_exactly_where_bf16_weights_get_packed(tmp_path
     folder = bf16_checkpoint(tmp_path)
     auto = load(folder, "auto")
     bf16 = load(folder, "bf16").model
-    assert ("--dtype bf16 runs faster here" in auto.dtype.why) == (bf16.prepack() > 0)
+    assert ("--dtype bf16 runs faster here" in auto.dtype.why) == (bf16.prepack(2**40) > 0)
 
 
 def test_eos_from_generation_config(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.catalog import load_spec
 from kvlab.cli import main
 from kvlab.engine.llm import LLM
@@ -19,13 +19,14 @@ from kvlab.generate import generate
 from kvlab.models import NoCache, load
 from kvlab.models.loader import choose_weights
 from kvlab.models.llama import Linear
+from kvlab.models.methods import Setting
 from kvlab.models.weights import FORMATS, QK_K, QuantEmbedding, QuantLinear, check_format, held_bytes, held_formats
 from kvlab.sampling import SamplingParams
 from tests.test_gemma3 import write_gemma3_gguf
 from tests.test_gguf import write_tiny_gguf
 from tests.test_models import make_checkpoint
 
-NATIVE = kernels.status().available
+NATIVE = bool(dispatch.backends().native)
 K_QUANTS = (Q.Q4_K, Q.Q6_K)
 
 
@@ -66,7 +67,7 @@ def test_dequantisation_is_gguf_quants_to_the_bit(name):
     blocks, ref = _blocks(name, 37, k)
     assert blocks.shape == (37, fmt.row_bytes(k))
     assert torch.equal(fmt.reference(blocks), ref)
-    assert torch.equal(fmt.dequantize(blocks, k), ref)  # the native one where it runs
+    assert torch.equal(fmt.dequantizer(k, native=NATIVE)(blocks), ref)  # the native one where it runs
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -81,6 +82,9 @@ def test_the_layer_is_the_dense_layer_on_the_dequantised_weight(name):
     with torch.no_grad():
         dense.weight.copy_(ref)
         dense.bias.copy_(bias)
+    setting = Setting(dispatch.backends(), torch.float32, torch.device("cpu"))  # as a model's use() sets
+    q.choose(setting)
+    dense.choose(setting)
     for m in (1, 2, 3, 4, 5, 49, 64, 65, 130):
         x = torch.randn(m, k)
         with torch.no_grad():
@@ -209,11 +213,11 @@ def test_weights_choice_and_its_errors(tmp_path, capsys):
     assert load(folder, weights="as-stored").weights.formats == frozenset()
 
 
-def test_reference_path_where_the_kernels_are_off(tmp_path, monkeypatch):
+def test_reference_path_where_the_kernels_are_off(tmp_path, switch_off):
     """KVLAB_KERNELS=off's branch on any CPU: as-stored dequantises per call, the same logits."""
     folder = make_checkpoint(tmp_path / "hf", "llama")
     write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_0)
-    monkeypatch.setattr(kernels, "_load", lambda: (None, kernels.Status(False, "off (test)")))
+    switch_off("KVLAB_KERNELS")
     stored = load(tmp_path / "m.gguf", weights="as-stored")
     assert stored.weights.formats == {"Q4_0"} and "slow" in stored.weights.why
     assert load(tmp_path / "m.gguf").weights.formats == frozenset()

@@ -10,22 +10,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvlab import kernels
-from kvlab.eviction import EvictionPolicy
+from kvlab import dispatch
 from kvlab.data import PERSUASION
+from kvlab.dispatch import AttentionShape
+from kvlab.engine.executor import CacheConfig, Executor, make_executor
 from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
-from kvlab.options import EngineOptions
 from kvlab.engine.output import OutputProcessor
-from kvlab.engine.executor import CacheConfig, Executor, make_executor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
-from kvlab.layout import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
+from kvlab.eviction import EvictionPolicy
 from kvlab.hardware import system_memory
+from kvlab.layout import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import weight_bytes
 from kvlab.models.tokenizer import TextTokenizer
+from kvlab.options import EngineOptions
 from kvlab.sampling import Sampler, SamplingParams, TokenLogprob, sample_batch, token_logprobs
 from kvlab.units import fmt_bytes
 
@@ -133,34 +134,13 @@ def calibration_ids(tokenizer: TextTokenizer | None, vocab_size: int) -> list[in
 
 def deterministic_is_free(model: CausalLM, options: EngineOptions, kv_dtype: str,
                           groups: list[LayerGroup], eviction: EvictionPolicy) -> tuple[bool, str]:
-    """``--deterministic``'s default, by one rule on every CPU: on where the batch-invariant path
-    costs nothing measurable, that is an fp32 model on one CPU process where kvlab's native
-    kernels run every linear layer and every attention (an fp32 or bf16 cache, head sizes they
-    take: docs/benchmarks.md measures the two modes level there). bf16 runs are deterministic
-    only on request: the invariant path's bf16 matmuls are the native kernel's at every row
-    count, which on CPUs with oneDNN's bf16 kernels is several times slower at prefill sizes, so
-    "free" would depend on the CPU. Elsewhere its padded rows and split attention cost a third
-    to a half of the speed, and eviction policies would chunk prompts on a grid. Returns (on,
-    why)."""
-    if model.device.type != "cpu" or options.tp > 1:
-        return False, "its kernels run on one CPU process"
-    if eviction.active:
-        return False, f"--kv-policy {eviction.name} would cut prompts on a fixed grid"
-    if model.dtype != torch.float32:
-        name = MODEL_KV_DTYPE.get(model.dtype, str(model.dtype))
-        return False, f"free only in fp32; {name} runs are deterministic on request (--deterministic)"
-    if kv_dtype not in ("fp32", "bf16"):
-        return False, "kvlab's native kernels take an fp32 or bf16 cache"
-    if not kernels.status().available:
-        return False, f"kvlab's native kernels do not run here: {kernels.status().detail}"
-    storage = torch.float32 if kv_dtype == "fp32" else torch.bfloat16
-    for layer in (model.spec.layers[i] for g in groups for i in g.layers):
-        q = torch.empty(1, layer.num_heads, layer.head_dim, dtype=model.dtype)
-        k = torch.empty(layer.kv_heads, 1, 1, layer.head_dim, dtype=storage)
-        v = torch.empty(layer.kv_heads, 1, 1, layer.v_head_dim or layer.head_dim, dtype=storage)
-        if not kernels.attention_usable(q, k, v):
-            return False, "the native attention kernel does not take this model's head sizes"
-    return True, "fp32 on kvlab's native kernels, where it is free"
+    """``--deterministic``'s default for this model and these options: kvlab.dispatch's one rule
+    (``deterministic_default``), given the layers' attention shapes. Returns (on, why)."""
+    layers = [model.spec.layers[i] for g in groups for i in g.layers]
+    return dispatch.deterministic_default(
+        model.device.type, options.tp, eviction.name if eviction.active else None, model.dtype, kv_dtype,
+        [AttentionShape(layer.num_heads, layer.kv_heads, layer.head_dim, layer.v_head_dim or layer.head_dim)
+         for layer in layers])
 
 
 class LLMEngine:
@@ -195,7 +175,7 @@ class LLMEngine:
             self.deterministic_why = "--deterministic" if options.deterministic else "--no-deterministic"
         if options.deterministic:
             self._check_deterministic(options)
-        model.set_batch_invariant(options.deterministic)
+        model.use(deterministic=bool(options.deterministic))
         self.executor: Executor = make_executor(model, options.tp, device, options.tp_timeout)
         try:
             self.capacity: KVCapacity = kv_cache_capacity(
@@ -239,7 +219,7 @@ class LLMEngine:
 
     def _check_deterministic(self, options: EngineOptions) -> None:
         """Deterministic mode's one-line errors for what cannot honour it (the kernels' own
-        check runs in ``CausalLM.set_batch_invariant``)."""
+        check runs in ``CausalLM.use``)."""
         if options.tp > 1:
             raise ValueError("--deterministic runs at --tp 1 (its kernels are not checked across "
                              "ranks); drop one of the two")

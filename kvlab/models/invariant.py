@@ -40,14 +40,6 @@ class BatchInvariantError(ValueError):
     """The backend cannot give batch-invariant results (the message says what to do)."""
 
 
-def pad_rows(x: Tensor, row_block: int) -> Tensor:
-    """``x`` [n, ...] with zero rows appended up to a multiple of ``row_block`` rows."""
-    extra = -x.shape[0] % row_block
-    if not extra:
-        return x
-    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
-
-
 def stable_row_block(linear: nn.Module, in_features: int, dtype: torch.dtype,
                      device: torch.device) -> int | None:
     """The smallest candidate r such that one input row gives the same output row at every

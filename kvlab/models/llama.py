@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,8 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlab import dispatch, kernels
+from kvlab.dispatch import Backends
+from kvlab.kernels.onednn import PackedWeights
+from kvlab.models import methods
 from kvlab.models.attention import AttentionBackend
-from kvlab.models.invariant import check_linears, pad_rows
+from kvlab.models.invariant import check_linears
 from kvlab.models.weights import QuantEmbedding, QuantLinear
 from kvlab.spec import LayerSpec, ModelSpec
 
@@ -115,153 +118,31 @@ def inv_frequencies(cfg: dict[str, Any], head_dim: int, layer_type: str = "full_
     return inv
 
 
-def _can_prepack(weight: Tensor) -> bool:
-    """oneDNN prepacking pays for bf16 weights on a CPU with oneDNN's bf16 kernels (AVX-512 or
-    AVX-NE-CONVERT; on an AVX2-only CPU oneDNN refuses to pack; ``KVLAB_ONEDNN_BF16=off`` takes
-    that branch anywhere)."""
-    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return False
-    return dispatch.onednn_bf16().on
-
-
-def onednn_rows(m: int) -> int:
-    """The row count a oneDNN matmul of ``m`` rows runs at: ``m`` up to 8, else ``m`` rounded up
-    to the next of four steps per octave (8, 10, 12, 14, 16, 20, 24, 28, 32, 40...). oneDNN builds
-    and caches a kernel per input shape (~0.5 MB each, measured: 1,200 distinct prefill lengths
-    grew RSS by 640 MB), so the rows it sees are bucketed: at most 8 + 4 per doubling shapes,
-    for at most 25% padding rows."""
-    if m <= 8:
-        return m
-    step = 1 << (m.bit_length() - 3)  # a quarter of the octave m lies in
-    return -(-m // step) * step
-
-
-def _onednn_pack(weight: Tensor) -> Tensor:
-    """oneDNN's blocked copy of a bf16 weight [N, K]."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-
-def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ packed^T (+ bias): the one call through which kvlab hands shapes to oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-class PackedWeights:
-    """A oneDNN-packed copy of one or more linear layers' weights, stacked along the output
-    dimension (several layers that read the same input then run as one matmul: q/k/v,
-    gate/up).
-
-    On CPU a bf16 ``F.linear`` re-packs its weight into oneDNN's blocked layout on every call,
-    which makes small-batch (decode) matmuls compute-bound at a third of the memory bandwidth;
-    the packed copy is read as is. Each output column is computed exactly as ``F.linear``
-    computes it (same oneDNN kernel, same reduction), so results are bit-identical. The copy
-    is only used while every source weight and bias is the very tensor it was made from,
-    unmodified (``valid``); callers fall back to the plain layers otherwise. Padded rows are
-    zeros, and a row's sums do not read the other rows.
-    """
-
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        self.linears = linears
-        self.sources = self._sources()
-        with torch.no_grad():
-            weights = [m.weight.detach() for m in linears]
-            w = weights[0] if len(weights) == 1 else torch.cat(weights)
-            self.packed = _onednn_pack(w)
-            biases = [m.bias for m in linears]
-            self.bias = None
-            if any(b is not None for b in biases):
-                self.bias = torch.cat([b.detach() if b is not None else w.new_zeros(m.out_features)
-                                       for b, m in zip(biases, linears)])
-        self.sizes = [m.out_features for m in linears]
-        self.dtype = w.dtype
-        self.nbytes = w.numel() * w.element_size()
-
-    def _sources(self) -> list[tuple[weakref.ref | None, int, int]]:
-        # weak references: a replaced weight is not kept alive by its stale copy
-        return [(weakref.ref(t), t._version, t.data_ptr()) if t is not None else (None, 0, 0)
-                for m in self.linears for t in (m.weight, m.bias)]
-
-    def valid(self) -> bool:
-        """Every source weight and bias is still the tensor the copy was made from, unmodified."""
-        i = 0
-        for m in self.linears:
-            for t in (m.weight, m.bias):
-                ref, version, ptr = self.sources[i]
-                if t is None:
-                    if ref is not None:
-                        return False
-                elif ref is None or ref() is not t or t._version != version or t.data_ptr() != ptr:
-                    return False
-                i += 1
-        return True
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """x @ W^T (+ b), x's rows zero-padded to ``onednn_rows`` (a bounded set of shapes)."""
-        m = x.shape[0]
-        return _onednn_linear(pad_rows(x, onednn_rows(m)), self.packed, self.bias)[:m]
-
-
-def pack(linears: list[nn.Linear]) -> PackedWeights | None:
-    """Packed weights for these layers side by side, or None where packing does not apply (not
-    bf16 on a CPU with oneDNN)."""
-    if not all(_can_prepack(m.weight) for m in linears):
-        return None
-    return PackedWeights(linears)
-
-
-def _use(packed: PackedWeights | None, x: Tensor) -> bool:
-    """Run from `packed` now? Inference only (no autograd), matching dtype, fresh copy."""
-    return (packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled()
-            and packed.valid())
-
-
 class Linear(nn.Linear):
-    """nn.Linear that runs inference, in order of preference: from packed weights once
-    ``prepack()``-ed (bf16 where oneDNN has bf16 kernels, see ``PackedWeights``), by kvlab's
-    native kernel (fp32 or bf16, up to ``native_rows`` rows: by default
-    ``kvlab.kernels.max_rows``), or by plain ``F.linear``. With ``row_block`` > 1 (deterministic
-    mode without the native kernel), the rows are padded with zero rows to a multiple of it, so
-    that every row goes through the same GEMM kernel whatever the batch
-    (``kvlab.models.invariant``)."""
+    """nn.Linear whose inference runs by ``method`` (``kvlab.models.methods``), which
+    ``CausalLM.use`` chooses: oneDNN's packed copy (bf16 where oneDNN has bf16 kernels), kvlab's
+    native kernel up to a row count, or PyTorch's ``F.linear`` (its rows padded in deterministic
+    mode). A layer no model has set up runs plain ``F.linear``."""
 
-    _packed: PackedWeights | None = None
-    row_block: int = 1
-    native_rows: int | None = None
+    method: methods.LinearMethod = methods.Gemm()
 
-    def prepack(self) -> int:
-        """Pack the weight if that applies here; returns the bytes the packed copy takes."""
-        if self._packed is None or not self._packed.valid():
-            self._packed = pack([self])
-            _restructured()
-        return self._packed.nbytes if self._packed is not None else 0
-
-    def unpack(self) -> None:
-        self._packed = None
-        _restructured()
-
-    def row_limit(self, dtype: torch.dtype) -> int:
-        """The most rows of ``dtype`` the native kernel takes here: ``native_rows``, by default
-        ``kernels.max_rows``."""
-        return kernels.max_rows(dtype) if self.native_rows is None else self.native_rows
+    def choose(self, setting: methods.Setting, packed: PackedWeights | None = None) -> None:
+        gemm = setting.gemm(self.weight.dtype)
+        if packed is not None:
+            self.method = methods.Packed(packed)
+        elif (rows := setting.rows(self.weight.dtype)) and _native_fits(self.weight, self.bias):
+            self.method = methods.Native(rows, gemm)
+        else:
+            self.method = gemm
 
     def forward(self, x: Tensor) -> Tensor:
-        if _use(self._packed, x):
-            return self._packed(x)  # type: ignore[misc]
-        if x.shape[0] <= self.row_limit(x.dtype) and kernels.usable(x, self.weight, self.bias):
-            return kernels.linear(x, self.weight, self.bias)
-        return self._gemm(x, self.weight, self.bias)
+        return self.method(x, self.weight, self.bias)
 
-    def _gemm(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """PyTorch's F.linear, the rows zero-padded to a multiple of ``row_block`` (deterministic
-        mode) and, in bf16 on a CPU, to ``onednn_rows``: PyTorch hands bf16 matmuls to oneDNN
-        wherever oneDNN has bf16 kernels, whatever kvlab packs, and oneDNN caches a kernel per
-        shape."""
-        m = x.shape[0]
-        rows = onednn_rows(m) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else m
-        rows = -(-rows // self.row_block) * self.row_block
-        if rows == m:
-            return F.linear(x, weight, bias)
-        return F.linear(pad_rows(x, rows), weight, bias)[:m]
+
+def _native_fits(weight: Tensor, bias: Tensor | None) -> bool:
+    """Does kvlab's linear kernel take this weight and bias (contiguous, one dtype)?"""
+    return weight.is_contiguous() and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
+                                                        and bias.shape == weight.shape[:1]))
 
 
 class LMHead(Linear):
@@ -269,28 +150,24 @@ class LMHead(Linear):
     samples them. A bf16 head sums in fp32 and never rounds the logits to bf16, whose values
     near 15-20 are 0.125 apart: rounded, a near-tie becomes an exact tie that goes to the lower
     token id (the first token of the README's chat question in bf16 did). The weight stays in
-    the model's dtype (tied: it is the embedding)."""
+    the model's dtype (tied: it is the embedding). Never packed: oneDNN's packed bf16 matmul
+    returns bf16."""
 
-    VOCAB_SLICE = 8192  # weight rows widened at a time where the native kernel does not run
-
-    def prepack(self) -> int:
-        return 0  # oneDNN's packed bf16 matmul returns bf16
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:
-            return super().forward(x)
-        if kernels.usable(x, self.weight, self.bias):
-            return kernels.linear(x, self.weight, self.bias, fp32_out=True)  # any rows: batch-invariant
-        x32, step = x.float(), self.VOCAB_SLICE
-        return torch.cat([self._gemm(x32, self.weight[i:i + step].float(),
-                                     None if self.bias is None else self.bias[i:i + step].float())
-                          for i in range(0, self.out_features, step)], dim=-1)
+    def choose(self, setting: methods.Setting, packed: PackedWeights | None = None) -> None:
+        dtype = self.weight.dtype
+        if dtype == torch.float32:
+            super().choose(setting)
+        elif setting.rowwise and dtype == torch.bfloat16 and _native_fits(self.weight, self.bias):
+            # every row count: the kernel's rows never depend on the batch
+            self.method = methods.Native(sys.maxsize, setting.gemm(dtype), fp32_out=True)
+        else:
+            self.method = methods.SlicedFp32(methods.Gemm(setting.row_block))
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as in HF (bit-for-bit).
     ``offset`` (Gemma): the scale is (1 + weight), applied in float32 before the cast, as in
-    HF's Gemma3RMSNorm; the native kernel computes only the plain form."""
+    HF's Gemma3RMSNorm; the native kernel computes only the plain form (``choose``)."""
 
     def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
@@ -298,9 +175,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
+    native = False  # by kvlab's kernel (``choose``)
+
+    def choose(self, setting: methods.Setting) -> None:
+        self.native = native = setting.rowwise and not self.offset
+        self._norm = self._native if native else self._torch  # type: ignore[method-assign]
+        self._norm_add = self._native_add if native else self._torch_add  # type: ignore[method-assign]
+
     def forward(self, x: Tensor) -> Tensor:
-        if not self.offset and kernels.rowwise_usable(x, self.weight):
-            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
+        return self._norm(x)
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(this norm of h, h) with h = x + residual: one pass where the native kernel runs."""
+        return self._norm_add(x, residual)
+
+    def _native(self, x: Tensor) -> Tensor:
+        return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
+
+    def _native_add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+    def _torch(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -308,12 +203,11 @@ class RMSNorm(nn.Module):
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
-    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(this norm of h, h) with h = x + residual: one pass where the native kernel runs."""
-        if not self.offset and x.dim() == 2 and kernels.rowwise_usable(x, residual, self.weight):
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+    def _torch_add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         h = x + residual
-        return self(h), h
+        return self._torch(h), h
+
+    _norm, _norm_add = _torch, _torch_add  # until a model chooses
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -324,14 +218,6 @@ def _rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, heads, D]; cos/sin [T, D] (already in x's dtype)."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-def rope_in_place(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """apply_rope, written over x (a projection nothing else holds) where the native kernel
-    runs: one call instead of seven ops."""
-    if kernels.rowwise_usable(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return kernels.rope_(x, cos, sin)
-    return apply_rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -357,43 +243,54 @@ class Attention(nn.Module):
         scalar = cfg.get("query_pre_attn_scalar", self.head_dim) if mtype == GEMMA else self.head_dim
         self.q_scale = math.sqrt(self.head_dim / scalar)
 
-    _qkv: PackedWeights | None = None  # q/k/v stacked: one matmul (see CausalLM.prepack)
+    def choose(self, setting: methods.Setting, pack: bool) -> None:
+        """q/k/v as one packed matmul (``pack``) or three layers; RoPE by the native kernel
+        (in place, one call for seven ops) or PyTorch's ops."""
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        self._qkv = _packed(qkv) if pack else None
+        for m in qkv:
+            m.choose(setting)
+        self.o_proj.choose(setting, _packed((self.o_proj,)) if pack else None)
+        if self.qk_norm:
+            self.q_norm.choose(setting)
+            self.k_norm.choose(setting)
+        self._rope = kernels.rope_ if setting.rowwise else apply_rope
 
-    def prepack(self) -> int:
-        if self._qkv is None or not self._qkv.valid():
-            self._qkv = pack([self.q_proj, self.k_proj, self.v_proj])
-            _restructured()
-        return (self._qkv.nbytes if self._qkv is not None else 0) + self.o_proj.prepack()
-
-    def unpack(self) -> None:
-        self._qkv = None
-        _restructured()
-        self.o_proj.unpack()
+    _qkv: PackedWeights | None = None  # q/k/v stacked: one matmul
+    _rope = staticmethod(apply_rope)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 rows: Tensor | None = None) -> Tensor:
         """Every row's K/V goes to the cache; the output is for ``rows`` only (all if None)."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.kv_heads, self.head_dim
-        qk: Tensor | None = None  # q and k side by side [t, h + kvh, d]: one RoPE pass for both
-        if _use(self._qkv, x):
-            qkv = self._qkv(x)  # type: ignore[misc]
+        if self._qkv is not None:
+            qkv = self._qkv(x)
             qk, v = qkv[:, :(h + kvh) * d].view(t, h + kvh, d), qkv[:, (h + kvh) * d:]
-            q, k = qk.split((h, kvh), 1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qk, v = None, self.v_proj(x)
         v = v.view(t, kvh, d)
         if qk is not None and not self.qk_norm:
             # RoPE is elementwise: one pass over q and k side by side gives the same values
-            q, k = rope_in_place(qk, cos, sin).split((h, kvh), 1)
+            q, k = self._rope(qk, cos, sin).split((h, kvh), 1)
         else:
-            q, k = q.view(t, h, d), k.view(t, kvh, d)
+            q, k = (qk.split((h, kvh), 1) if qk is not None
+                    else (self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d)))
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rope_in_place(q, cos, sin), rope_in_place(k, cos, sin)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = attn.attend(self.layer_idx, q, k, v).reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(out if rows is None else out[rows])
+
+
+def _packed(linears: tuple[Linear, ...]) -> PackedWeights:
+    return PackedWeights([m.weight for m in linears], [m.bias for m in linears])
+
+
+def act_mul(act: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor) -> Tensor:
+    """act(gate) * up, the product written over the activation (a fresh tensor)."""
+    return act(gate).mul_(up)
 
 
 class MLP(nn.Module):
@@ -406,45 +303,26 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = act
 
-    _gate_up: PackedWeights | None = None  # gate/up stacked: one matmul (see CausalLM.prepack)
+    def choose(self, setting: methods.Setting, pack: bool) -> None:
+        """gate/up as one packed matmul (``pack``) or two layers; SwiGLU's product by the native
+        kernel where it runs (in place on the fresh projections: no extra [T, inter] buffers)."""
+        self._gate_up = _packed((self.gate_proj, self.up_proj)) if pack else None
+        for m in (self.gate_proj, self.up_proj):
+            m.choose(setting)
+        self.down_proj.choose(setting, _packed((self.down_proj,)) if pack else None)
+        act = ACTIVATIONS[self.act]
+        native = setting.rowwise and act is F.silu and not pack
+        self._act_mul = kernels.silu_mul_ if native else functools.partial(act_mul, act)
 
-    def prepack(self) -> int:
-        if self._gate_up is None or not self._gate_up.valid():
-            self._gate_up = pack([self.gate_proj, self.up_proj])
-            _restructured()
-        return (self._gate_up.nbytes if self._gate_up is not None else 0) + self.down_proj.prepack()
-
-    def unpack(self) -> None:
-        self._gate_up = None
-        _restructured()
-        self.down_proj.unpack()
+    _gate_up: PackedWeights | None = None  # gate/up stacked: one matmul
+    _act_mul = staticmethod(functools.partial(act_mul, F.silu))
 
     def forward(self, x: Tensor) -> Tensor:
-        act = ACTIVATIONS[self.act]
-        if _use(self._gate_up, x):
-            gate, up = self._gate_up(x).split(self._gate_up.sizes, -1)  # type: ignore[misc, union-attr]
-            return self.down_proj(act(gate).mul_(up))
-        if torch.is_grad_enabled() or act is not F.silu:
-            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
-        # in place on the fresh projection outputs: the same values, no extra [T, inter] buffers
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if kernels.rowwise_usable(gate, up) and gate.is_contiguous() and up.is_contiguous():
-            return self.down_proj(kernels.silu_mul_(gate, up))  # what the native layer computes
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
-
-
-# Bumped whenever any module gains or replaces a parameter or a submodule (torch's global
-# registration hooks) or packs or drops a packed copy, so that gathered native weights are known
-# stale.
-_structure = [0]
-
-
-def _restructured(*_: object) -> None:
-    _structure[0] += 1
-
-
-nn.modules.module.register_module_parameter_registration_hook(_restructured)
-nn.modules.module.register_module_module_registration_hook(_restructured)
+        if self._gate_up is not None:
+            gate, up = self._gate_up(x).split(self._gate_up.sizes, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self._act_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -465,49 +343,42 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, True)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, True)
 
-    _native: tuple[int, tuple[Linear, ...], kernels.LayerWeights | None] | None = None
-
-    def linears(self) -> tuple[Linear, ...]:
+    def linears(self) -> tuple[Linear | QuantLinear, ...]:
         """q, k, v, o, gate, up, down: the order ``kernels.LayerWeights`` takes them in."""
         attn, mlp = self.self_attn, self.mlp
         return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
-    def native_weights(self, x: Tensor) -> kernels.LayerWeights | None:
-        """The weights ``kvlab.kernels.decoder_layers`` takes, when it can run this layer on x
-        exactly as these modules would: the native kernels serve every op at this many rows (no
-        packed copies, no tensor-parallel linears, no q/k norms, no autograd). Gathered once and
-        again only when some module's parameters or submodules were replaced (``_structure``) or
-        a weight moved: collecting 16 parameters through ``nn.Module`` costs more per step than
-        the checks."""
-        attn, mlp = self.self_attn, self.mlp
-        if self.sandwich:  # the native layer is Llama-form only
+    def choose(self, setting: methods.Setting, pack: bool) -> None:
+        self.self_attn.choose(setting, pack)
+        self.mlp.choose(setting, pack)
+        for norm in self.children():
+            if isinstance(norm, RMSNorm):
+                norm.choose(setting)
+
+    def native_weights(self, dtype: torch.dtype) -> tuple[kernels.LayerWeights, int] | None:
+        """The weights ``kvlab.kernels.decoder_layers`` takes and the most rows it may run, when
+        it can run this layer exactly as these modules would: Llama form (no q/k norms, no
+        sandwich), every linear layer and norm on a native kernel (no packed copies, no
+        tensor-parallel linears)."""
+        attn = self.self_attn
+        linears = self.linears()
+        if self.sandwich or attn.qk_norm or not all(type(m) in (Linear, QuantLinear) for m in linears):
             return None
-        if self._native is None or self._native[0] != _structure[0] or (self._native[2] is not None
-                                                                          and self._native[2].moved()):
-            linears = self.linears()
-            weights = None
-            if not attn.qk_norm and all(type(m) in (Linear, QuantLinear) for m in linears):
-                weights = [self.input_layernorm.weight]
-                for m in linears:
-                    weights += [m.weight if m.weight is not None else m.blocks, m.bias]
-                    if m is attn.o_proj:
-                        weights.append(self.post_attention_layernorm.weight)
-                formats = [m.format.code if isinstance(m, QuantLinear) else 0 for m in linears]
-            self._native = (_structure[0], linears,
-                            None if weights is None else kernels.LayerWeights(weights, formats))
-        _, linears, packed = self._native
-        if packed is None or attn._qkv is not None or mlp._gate_up is not None or torch.is_grad_enabled():
+        chosen = [m.method for m in linears]
+        if not all(isinstance(c, (methods.Native, methods.NativeStored)) for c in chosen):
             return None
-        if any(m._packed is not None for m in linears):
+        if not (self.input_layernorm.native and self.post_attention_layernorm.native):
             return None
-        if any(x.shape[0] > m.row_limit(x.dtype) for m in linears):
+        weights = [self.input_layernorm.weight]
+        for m in linears:
+            weights += [m.weight if m.weight is not None else m.blocks, m.bias]
+            if m is attn.o_proj:
+                weights.append(self.post_attention_layernorm.weight)
+        formats = [m.format.code if isinstance(m, QuantLinear) else 0 for m in linears]
+        packed = kernels.LayerWeights(weights, formats)
+        if not packed.fit(dtype):
             return None
-        if not packed.fit(x.dtype):
-            return None
-        first = linears[0]
-        native = (first.native(x) if isinstance(first, QuantLinear)
-                  else kernels.usable(x, first.weight, first.bias)) and kernels.rowwise_usable(x)
-        return packed if native else None
+        return packed, min(c.rows for c in chosen)  # type: ignore[union-attr]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 rows: Tensor | None = None) -> Tensor:
@@ -574,7 +445,9 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq_local", None, persistent=False)
         self.set_rope()
         self.eos_token_ids: tuple[int, ...] = ()  # filled by the loader (generation_config.json)
-        self.invariant_rows: int | None = None  # deterministic mode's row block (set_batch_invariant)
+        self.invariant_rows: int | None = None  # deterministic mode's row block (use)
+        self._use: tuple[Backends, bool, int] | None = None  # use()'s arguments, for .to()
+        self._stacks: dict[int, NativeStack] = {}  # layers run as one native call, by count (use)
         self.name = spec.name
 
     @property
@@ -585,62 +458,97 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def prepack(self, max_bytes: int | None = None) -> int:
-        """Give every linear layer a packed copy of its weight for faster inference (bf16 on
-        CPU; a no-op elsewhere). Skipped when the copies would take more than ``max_bytes``.
-        Returns the bytes the copies take. Never in deterministic mode (the probe that makes it
-        safe ran on the plain layers)."""
-        if not _can_prepack(self.lm_head.weight) or self.invariant_rows is not None:
-            return 0
-        linears = [m for m in self.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
-        need = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        if max_bytes is not None and need > max_bytes and not self.is_packed():
-            return 0
-        done = 0
+    def use(self, backends: Backends | None = None, *, deterministic: bool = False, pack_bytes: int = 0) -> None:
+        """Choose how every layer runs, once (a forward pass never asks again), from what runs
+        here (``backends``: by default ``kvlab.dispatch.backends()``), this model's dtype and
+        device, and the mode:
+
+        - ``deterministic``: batch-invariant mode. The probe (``check_linears``;
+          BatchInvariantError, one line, where it finds nothing stable) finds the row block that
+          makes PyTorch's GEMM rows stable; ``invariant_rows`` tells the attention backend that
+          block. Linear layers then run every row count on the native kernel, which needs no
+          padding (probed again to prove it), or, where it cannot run, pad their rows to the block.
+        - ``pack_bytes``: give the linear layers oneDNN-packed copies of their bf16 weights
+          (where oneDNN has bf16 kernels; q/k/v and gate/up stacked as one matmul each) if the
+          copies fit in these bytes; never in deterministic mode (the probe ran on the plain layers).
+
+        The model is inference-only: its parameters stop requiring gradients. Building or
+        loading a model calls this; ``.to()`` calls it again with the same arguments. Whoever
+        replaces or edits weights otherwise calls it again."""
+        backends = backends or dispatch.backends()
+        self._use = (backends, deterministic, pack_bytes)
+        self.requires_grad_(False)
+        dtype, device = self.dtype, self.device
+        layers: list[DecoderLayer] = list(self.model.layers)
+        self.invariant_rows = None
+        if deterministic:
+            linears = [m for m in self.modules() if isinstance(m, (Linear, QuantLinear))]
+            self._choose(methods.Setting(backends, dtype, device, native_rows=0), False)
+            self.invariant_rows = check_linears(linears, dtype, device)
+            self._choose(methods.Setting(backends, dtype, device, native_rows=sys.maxsize), False)
+            row_block = check_linears(linears, dtype, device)
+            setting = methods.Setting(backends, dtype, device, native_rows=sys.maxsize, row_block=row_block)
+            self._choose(setting, False)
+        else:
+            dense = [m for layer in layers for m in layer.linears()]
+            pack = (bool(backends.onednn_bf16) and dtype == torch.bfloat16 and device.type == "cpu"
+                    and all(isinstance(m, Linear) for m in dense)
+                    and sum(m.weight.numel() * m.weight.element_size() for m in dense) <= pack_bytes)
+            self._choose(methods.Setting(backends, dtype, device), pack)
+        # the decoder layers as one native call each step: all L of them, or the first L - 1
+        # (a step that wants logits from some rows only runs the last layer by its modules)
+        self._stacks = {}
+        if self.local_rope or device.type != "cpu":
+            return
+        native = [layer.native_weights(dtype) for layer in layers]
+        for count in (len(layers), len(layers) - 1):
+            if count and all(w is not None for w in native[:count]):
+                self._stacks[count] = NativeStack(layers[:count], native[:count])  # type: ignore[arg-type]
+
+    def _choose(self, setting: methods.Setting, pack: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, DecoderLayer):
+                m.choose(setting, pack)
+        self.model.norm.choose(setting)
+        if isinstance(self.model.embed_tokens, QuantEmbedding):
+            self.model.embed_tokens.choose(setting)
+        self.lm_head.choose(setting)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``.to()``, ``.float()``...: then the layers choose again for the new dtype or device."""
+        out = super()._apply(fn, recurse)
+        self._choose_again()
+        return out
+
+    def _choose_again(self) -> None:
+        if self._use is not None:
+            backends, deterministic, pack_bytes = self._use
+            self.use(backends, deterministic=deterministic, pack_bytes=pack_bytes)
+
+    def prepack(self, max_bytes: int) -> int:
+        """``use`` again with packed copies allowed up to ``max_bytes`` (bf16 on a CPU with oneDNN's
+        bf16 kernels; a no-op elsewhere and in deterministic mode). Returns the bytes they take."""
+        backends, deterministic, _ = self._use or (dispatch.backends(), False, 0)
+        if not deterministic:
+            self.use(backends, pack_bytes=max_bytes)
+        return self.packed_bytes()
+
+    def packed_bytes(self) -> int:
+        """Bytes of the packed weight copies the layers run from (0: none)."""
+        total = 0
         for layer in self.model.layers:
-            done += layer.self_attn.prepack() + layer.mlp.prepack()
-        return done
+            for p in (layer.self_attn._qkv, layer.mlp._gate_up):
+                total += p.nbytes if p is not None else 0
+            for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                total += m.method.packed.nbytes if isinstance(m.method, methods.Packed) else 0
+        return total
 
     def is_packed(self) -> bool:
-        """Every decoder layer's linear layers run from valid packed copies (the LM head never
-        does: its logits stay fp32)."""
-        packs = [p for layer in self.model.layers for p in (
-            layer.self_attn._qkv, layer.self_attn.o_proj._packed, layer.mlp._gate_up,
-            layer.mlp.down_proj._packed)]
-        return all(p is not None and p.valid() for p in packs)
-
-    def unpack(self) -> None:
-        """Drop the packed copies (their memory); inference runs plain ``F.linear`` again."""
-        self.lm_head.unpack()
-        for layer in self.model.layers:
-            layer.self_attn.unpack()
-            layer.mlp.unpack()
-
-    def set_batch_invariant(self, on: bool) -> None:
-        """Deterministic mode on: packed copies are dropped and the probe (``check_linears``;
-        BatchInvariantError, one line, where it finds nothing stable) finds the row block that
-        makes PyTorch's GEMM rows stable; ``invariant_rows`` tells the attention backend that
-        block. Linear layers then run every row count on the native kernel, which needs no
-        padding (probed again to prove it), or, where it cannot run, pad their rows to the
-        block. Off: the default kernels again."""
-        linears = [m for m in self.modules() if isinstance(m, (Linear, QuantLinear))]
-        for m in linears:  # probe the plain kernels (a second call must not probe padded ones)
-            m.row_block, m.native_rows = 1, 0
-        self.invariant_rows = None
-        if not on:
-            for m in linears:
-                m.native_rows = None
-            _restructured()
-            return
-        self.unpack()
-        rows = check_linears(linears, self.dtype, self.device)
-        self.invariant_rows = rows
-        for m in linears:
-            m.native_rows = sys.maxsize
-        native_rows = check_linears(linears, self.dtype, self.device)
-        for m in linears:
-            m.row_block = native_rows
-        _restructured()  # the row limits changed: a gathered native stack holds the old ones
+        """Every decoder layer's linear layers run from packed copies (the LM head never does:
+        its logits stay fp32)."""
+        return all(layer.self_attn._qkv is not None and layer.mlp._gate_up is not None
+                   and isinstance(layer.self_attn.o_proj.method, methods.Packed)
+                   and isinstance(layer.mlp.down_proj.method, methods.Packed) for layer in self.model.layers)
 
     def tie_weights(self) -> None:
         if not self.spec.tie_word_embeddings:
@@ -674,51 +582,40 @@ class CausalLM(nn.Module):
             ropes.append(self.rope(positions, x.dtype, local=True))
         layers = self.model.layers
         # the last layer computes only the rows that want logits, which the native stack cannot
-        native = self.native_stack(x, attn, len(layers) - (logits_indices is not None))
-        done = 0
-        if native is not None:
-            x = kernels.decoder_layers(x, *native, *ropes[0])
-            done = len(native[0])
+        native = self._native_layers(x, attn, len(layers) - (logits_indices is not None), ropes[0])
+        x, done = native if native is not None else (x, 0)
         for i in range(done, len(layers)):
             # The last layer's o_proj and MLP run only where logits are wanted: the other rows
             # only had to leave their K/V in the cache.
             x = layers[i](x, *ropes[i in self.local_rope], attn, logits_indices if i == len(layers) - 1 else None)
         return self.lm_head(self.model.norm(x))
 
-    # (key, the stack or None where some layer cannot run natively, the least row_limit of the
-    # layers' linears, (attention layer index, heads) each): see native_stack
-    _stack: tuple[tuple, kernels.LayerStack | None, int, tuple[tuple[int, int], ...]] | None = None
-
-    def native_stack(self, x: Tensor, attn: AttentionBackend, count: int
-                     ) -> tuple[kernels.LayerStack, kernels.CacheLayout, list[kernels.StepRows]] | None:
-        """The first ``count`` layers as one ``kvlab.kernels.decoder_layers`` call on x, with
-        their caches and this step's rows, when every one of them can run natively
-        (``DecoderLayer.native_weights``) and the backend lays them out (``NativeAttention``).
-        The stack is gathered once per structure (``_structure``: deterministic mode's row
-        limits bump it too), dtype and device; each step checks only what a step can change: the
-        rows, autograd, a weight moved. (Why it matters:
-        Python run between steps finds its objects evicted by the weights just streamed, so each
-        check costs several times its cost in a loop.)"""
+    def _native_layers(self, x: Tensor, attn: AttentionBackend, count: int,
+                       rope: tuple[Tensor, Tensor]) -> tuple[Tensor, int] | None:
+        """The first ``count`` layers as one ``kvlab.kernels.decoder_layers`` call, when ``use``
+        found them all native, the step's rows are within their kernels' limit, and the backend
+        lays their caches out for it (``native_layout``: the paged engine's). Returns (their
+        output, count), else None: the modules run them."""
+        stack = self._stacks.get(count)
         layout = getattr(attn, "native_layout", None)  # NativeAttention (isinstance on a Protocol is slow)
-        if layout is None or not count or self.local_rope or torch.is_grad_enabled():
+        if stack is None or layout is None or x.shape[0] > stack.rows:
             return None
-        key = (_structure[0], x.dtype, x.device, count)
-        cached = self._stack
-        if cached is not None and cached[0] == key and not (cached[1] is not None and cached[1].moved()):
-            if x.shape[0] > cached[2]:
-                return None
-        else:
-            layers = list(self.model.layers)[:count]  # (a ModuleList slice registers its modules anew)
-            limit = min(m.row_limit(x.dtype) for layer in layers for m in layer.linears())
-            if x.shape[0] > limit:
-                return None  # before gathering: native_weights would refuse these rows, not the layers
-            weights = [layer.native_weights(x) for layer in layers]
-            stack = None
-            if all(w is not None for w in weights):
-                stack = kernels.LayerStack([(w, layer.self_attn.num_heads, layer.self_attn.kv_heads,
-                                             layer.input_layernorm.eps) for w, layer in zip(weights, layers)])
-            cached = self._stack = (key, stack, limit, tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads)
-                                                             for layer in layers))
-        stack = cached[1]
-        where = None if stack is None else layout(cached[3], x.dtype)
-        return None if where is None or stack is None else (stack, *where)
+        if stack.weights.moved():  # a weight replaced behind use()'s back (``.data =``): choose again
+            self._choose_again()
+            return self._native_layers(x, attn, count, rope)
+        where = layout(stack.heads, x.dtype)
+        if where is None:
+            return None
+        return kernels.decoder_layers(x, stack.weights, *where, *rope), count
+
+
+class NativeStack:
+    """Decoder layers that ``kvlab.kernels.decoder_layers`` runs as one call: their weights
+    (gathered once, by ``CausalLM.use``), the most rows their kernels take, and each one's
+    (attention layer index, heads) for the backend's cache layout."""
+
+    def __init__(self, layers: list[DecoderLayer], native: list[tuple[kernels.LayerWeights, int]]) -> None:
+        self.weights = kernels.LayerStack([(w, layer.self_attn.num_heads, layer.self_attn.kv_heads,
+                                            layer.input_layernorm.eps) for (w, _), layer in zip(native, layers)])
+        self.rows = min(rows for _, rows in native)
+        self.heads = tuple((layer.self_attn.layer_idx, layer.self_attn.num_heads) for layer in layers)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from kvlab import dispatch, kernels
+from kvlab import dispatch
+from kvlab.dispatch import Backends
 from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM, check_supported
@@ -94,7 +95,8 @@ def stored_format(gguf: GGUFFile | None, folder: Path | None, cfg: dict) -> str:
     return _short_name(DTYPES[named]) if named in DTYPES else named
 
 
-def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp32") -> DtypeChoice:
+def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp32",
+                 backends: Backends | None = None) -> DtypeChoice:
     """The model dtype for ``name`` on ``device``, for weights stored as ``stored``
     (``stored_format``). ``auto`` keeps the checkpoint's values exactly and gives the same tokens
     on every CPU: fp32, in which fp16, bf16 and every GGUF quantisation's values are exact (bf16
@@ -102,7 +104,8 @@ def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp
     with the same instructions on every x86 CPU. bf16 results depend on the CPU's bf16 kernels
     (oneDNN's on AVX-512, none on AVX2, where a bf16 matmul runs ~100x slower than fp32), so bf16
     is on request. On a GPU: fp16 for an fp16 checkpoint, else bf16, as vLLM. An explicit name is
-    taken as it is."""
+    taken as it is. ``backends``: what runs here (default ``kvlab.dispatch.backends()``)."""
+    onednn = (backends or dispatch.backends()).onednn_bf16
     key = _short_name(name) if isinstance(name, torch.dtype) else name.lower()
     cpu = torch.device(device).type == "cpu"
     if key == "auto":
@@ -113,7 +116,6 @@ def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp
             return DtypeChoice(torch.float32, "auto: fp32 weights")
         if stored != "bf16":
             return DtypeChoice(torch.float32, f"auto: {stored} weights, exact in fp32 (bf16 would round them)")
-        onednn = dispatch.onednn_bf16()
         if onednn:
             return DtypeChoice(torch.float32, "auto: bf16 weights, exact in fp32 and the same tokens on every "
                                               "CPU; --dtype bf16 runs faster here on oneDNN's bf16 kernels")
@@ -122,8 +124,8 @@ def choose_dtype(name: str | torch.dtype, device: str = "cpu", stored: str = "fp
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, fp32, bf16 or fp16")
     dtype = DTYPES[key]
-    if dtype == torch.bfloat16 and cpu and not dispatch.onednn_bf16():
-        return DtypeChoice(dtype, f"as asked; slow here: {dispatch.onednn_bf16().why}, "
+    if dtype == torch.bfloat16 and cpu and not onednn:
+        return DtypeChoice(dtype, f"as asked; slow here: {onednn.why}, "
                                   f"--dtype auto picks fp32")
     return DtypeChoice(dtype, "as asked")
 
@@ -163,12 +165,12 @@ def choose_weights(name: str, gguf: GGUFFile | None, dtype: torch.dtype, device:
             raise ValueError("--weights as-stored runs with fp32 activations on the CPU; drop --dtype "
                              "or --device, or pass --weights dense")
         return WeightsChoice(frozenset(), "auto: stored blocks run with fp32 activations on the CPU only")
-    status = kernels.status()
-    if name == "auto" and not status.available:
-        return WeightsChoice(frozenset(), f"auto: the native kernels do not run here ({status.detail})")
+    native = dispatch.backends().native
+    if name == "auto" and not native:
+        return WeightsChoice(frozenset(), f"auto: the native kernels do not run here ({native.why})")
     why = "auto" if name == "auto" else "as asked"
-    if not status.available:
-        why += f"; slow: dequantised per call, the native kernels do not run here ({status.detail})"
+    if not native:
+        why += f"; slow: dequantised per call, the native kernels do not run here ({native.why})"
     if others:
         why += f"; {', '.join(others)} dequantised to fp32 (no kernel)"
     return WeightsChoice(runnable, why)
@@ -312,8 +314,10 @@ def build_model(spec: ModelSpec, dtype: str | torch.dtype = DEFAULT_DTYPE, devic
         model.to_empty(device=device)
         model.tie_weights()
         init_random_(model, seed)
-    # Otherwise weights arrive through load_state_dict(assign=True). RoPE stays float32.
+    # Otherwise weights arrive through load_state_dict(assign=True), and load() has the layers
+    # choose again. RoPE stays float32.
     model.set_rope(device)
+    model.use()
     return model.eval()
 
 
@@ -350,6 +354,7 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
         tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors(placed)) if gguf is not None
                    else _safetensors(folder))
         _assign_weights(built, tensors, path.name, choice.dtype, torch.device(dev))
+        built.use()  # the layers choose how they run, on the weights they now hold
     tokenizer: HFTokenizer | ByteTokenizer
     if gguf is not None:
         built.eos_token_ids = gguf.eos_token_ids()

@@ -79,9 +79,6 @@ class NoHead(Linear):
     def reset_parameters(self) -> None:
         pass  # nothing to initialise
 
-    def prepack(self) -> int:
-        return 0
-
     def forward(self, x: Tensor) -> Tensor:
         return x[:, :0]
 
@@ -123,7 +120,6 @@ def first_kv_head(num_heads: int, kv_heads: int, rank: int, tp: int) -> int:
 def shard_model(model: CausalLM, rank: int, tp: int, group: dist.ProcessGroup | None = None) -> CausalLM:
     """Keep rank `rank`'s part of `model` (in place; returns it). `tp` must be one of the model's
     valid sizes (``kvlab.plan.parallel.check_tp``: it divides the heads and the FFN width)."""
-    model.unpack()  # packed copies of whole weights would outlive the shard
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         h, kvh, d = attn.num_heads, attn.kv_heads, attn.head_dim
@@ -141,6 +137,7 @@ def shard_model(model: CausalLM, rank: int, tp: int, group: dist.ProcessGroup | 
     if rank != 0:
         # a tied head's weight stays: it is the embedding (its blocks, if stored)
         model.lm_head = NoHead(model.lm_head.in_features, model.dtype)
+    model.use()  # the new layers choose how they run; packed copies of whole weights are dropped
     return model
 
 

@@ -16,15 +16,15 @@ Other GGUF types (Q5_1, Q5_K...) are dequantised to dense fp32 at load (``kvlab.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlab import kernels
 from kvlab.dtypes import GGUF_AS_STORED
-from kvlab.models.invariant import pad_rows
+from kvlab.models.methods import Dequantize, Dequantized, Gemm, LinearMethod, NativeStored, Setting
 
 QK = 32  # weights per block
 QK_K = 256  # weights per k-quant super-block
@@ -54,12 +54,12 @@ class BlockFormat:
         if k % self.block or blocks.shape[-1] != self.row_bytes(k):
             raise ValueError(f"{self.name} weight of {k} inputs: rows must be whole blocks of {self.block}")
 
-    def dequantize(self, blocks: Tensor, k: int) -> Tensor:
-        """The fp32 rows [N, k] of ``blocks`` [N, row_bytes(k)]: the native kernel where it runs,
-        else ``reference`` (the same values)."""
-        if kernels.status().available and blocks.device.type == "cpu":
-            return kernels.dequantize(blocks.contiguous(), self.code, k)
-        return self.reference(blocks)
+    def dequantizer(self, k: int, native: bool) -> Dequantize:
+        """The fp32 rows [N, k] of blocks [N, row_bytes(k)], by the native kernel (``native``:
+        it runs here, the blocks on the CPU) or ``reference``: the same values either way."""
+        if native:
+            return functools.partial(_native_dequantize, code=self.code, k=k)
+        return self.reference
 
     def reference(self, blocks: Tensor) -> Tensor:
         """Dequantisation in PyTorch's ops, as gguf.quants computes it (its values exactly: each
@@ -82,6 +82,10 @@ class BlockFormat:
             q = q | (((qh >> torch.arange(QK, dtype=torch.int32)) & 1) << 4)
             return (d * (q - 16).float()).reshape(n, -1)
         return (d * (q - 8).float()).reshape(n, -1)
+
+
+def _native_dequantize(blocks: Tensor, code: int, k: int) -> Tensor:
+    return kernels.dequantize(blocks.contiguous(), code, k)
 
 
 def _half(b: Tensor) -> Tensor:
@@ -133,15 +137,12 @@ def check_format(name: str) -> BlockFormat:
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays in a block format: ``blocks`` [out, in / block weights
-    x block bytes] (uint8). fp32 rows up to ``native_rows`` (as ``Linear``: by default the native
-    kernel's row limit; deterministic mode: all) go through ``kernels.linear_q``; more rows, or
-    where the kernel cannot run, dequantise and ``F.linear`` (rows padded to ``row_block``):
-    the same choices, on the same values, as a dense fp32 ``Linear`` makes."""
+    x block bytes] (uint8). fp32 rows up to the native kernel's row limit (as ``Linear``;
+    deterministic mode: all) go through ``kernels.linear_q``; more rows, or where the kernel
+    cannot run, dequantise and ``F.linear`` (rows padded in deterministic mode): the same choices,
+    on the same values, as a dense fp32 ``Linear`` makes (``choose``)."""
 
     weight = None  # no dense weight: nothing packs or gathers it
-    _packed = None
-    row_block: int = 1
-    native_rows: int | None = None
 
     def __init__(self, fmt: BlockFormat, blocks: Tensor, in_features: int, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -149,41 +150,28 @@ class QuantLinear(nn.Module):
         self.format, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.dequantize: Dequantize = fmt.reference  # until a model chooses
+        self.method: LinearMethod = Dequantized(self.dequantize, Gemm())
 
     def extra_repr(self) -> str:
         return f"{self.format.name}, in_features={self.in_features}, out_features={self.out_features}"
 
-    def prepack(self) -> int:
-        return 0  # oneDNN packs dense bf16 weights only
-
-    def unpack(self) -> None:
-        pass
-
-    def row_limit(self, dtype: torch.dtype) -> int:
-        """As ``Linear.row_limit``, so that rows past it take the dense fp32 layer's F.linear on
-        the same values (the native kernel would outrun it there, at other bits)."""
-        return kernels.max_rows(torch.float32) if self.native_rows is None else self.native_rows
-
-    def native(self, x: Tensor) -> bool:
-        """Can ``kernels.linear_q`` take x: fp32 [M, in] on CPU, M within ``row_limit``."""
-        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= self.row_limit(x.dtype)
-                and x.device.type == "cpu"
-                and (self.bias is None or self.bias.dtype == torch.float32) and kernels.status().available)
+    def choose(self, setting: Setting, packed: None = None) -> None:
+        """The native block kernel up to the rows a dense fp32 layer gives its kernel (rows past
+        them take the dense layer's F.linear on the same values: the native kernel would outrun
+        it there, at other bits), else the dequantised weight through PyTorch."""
+        native = setting.rowwise and self.blocks.device.type == "cpu"
+        self.dequantize = self.format.dequantizer(self.in_features, native)
+        fallback = Dequantized(self.dequantize, Gemm(setting.row_block))
+        rows = setting.rows(torch.float32) if self.bias is None or self.bias.dtype == torch.float32 else 0
+        self.method = NativeStored(self.format.code, rows, fallback) if rows and native else fallback
 
     def dense(self) -> Tensor:
         """The dequantised weight [out, in], fp32."""
-        return self.format.dequantize(self.blocks, self.in_features)
+        return self.dequantize(self.blocks)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.native(x):
-            return kernels.linear_q(x.contiguous(), self.blocks, self.format.code, self.bias)
-        m = x.shape[0]
-        rows = -(-m // self.row_block) * self.row_block
-        weight = self.dense().to(x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if rows == m:
-            return F.linear(x, weight, bias)
-        return F.linear(pad_rows(x, rows), weight, bias)[:m]
+        return self.method(x, self.blocks, self.bias)
 
 
 class QuantEmbedding(nn.Module):
@@ -194,13 +182,17 @@ class QuantEmbedding(nn.Module):
         fmt.check_rows(blocks, dim)
         self.format, self.embedding_dim, self.num_embeddings = fmt, dim, blocks.shape[0]
         self.register_buffer("blocks", blocks)
+        self.dequantize: Dequantize = fmt.reference  # until a model chooses
+
+    def choose(self, setting: Setting) -> None:
+        self.dequantize = self.format.dequantizer(self.embedding_dim, setting.rowwise and self.blocks.device.type == "cpu")
 
     def extra_repr(self) -> str:
         return f"{self.format.name}, {self.num_embeddings}, {self.embedding_dim}"
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = self.blocks[ids.reshape(-1)]
-        return self.format.dequantize(rows, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+        return self.dequantize(rows).view(*ids.shape, self.embedding_dim)
 
     def as_linear(self) -> QuantLinear:
         """A tied LM head reading these very blocks."""
