@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvlab import kernels
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import EvictionPolicy, make_policy
 from kvlab.data import PERSUASION
 from kvlab.engine.kv_cache import CALIBRATION_TOKENS, PagedKVCache
 from kvlab.engine.kv_manager import KVCacheManager
@@ -179,7 +179,7 @@ class LLMEngine:
         kv_dtype = MODEL_KV_DTYPE[model.dtype] if options.kv_dtype == "auto" else options.kv_dtype
         groups = layer_groups(spec)
         swap = options.preemption != "recompute"
-        self.eviction = EvictionPolicy(options.kv_policy, options.kv_budget)
+        self.eviction = make_policy(options.kv_policy, options.kv_budget)
         if self.eviction.active and any(g.window is not None for g in groups):
             raise ValueError(f"--kv-policy {self.eviction.name}: {spec.name} has sliding-window layers, "
                              f"which evict by their window already; use --kv-policy full")
