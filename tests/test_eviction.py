@@ -11,7 +11,7 @@ import torch
 from kvlab.cli import main
 from kvlab.engine.llm import LLM
 from kvlab.evaluate import perplexity_engine, perplexity_loop
-from kvlab.eviction import SCORE_ONE, fixed_point, make_policy
+from kvlab.eviction import SCORE_ONE, EvictionPolicy, fixed_point, make_policy, register, unregister
 from kvlab.sampling import SamplingParams
 from tests.test_engine_parity import kv_bytes, prompts, tiny_model
 
@@ -115,6 +115,65 @@ def test_one_token_blocks_equal_the_token_granular_loop(llama, policy):
     # 16-token blocks keep whole blocks (40 tokens -> 2 blocks): a different cache, another figure
     blocky = perplexity_engine(llama, None, ids, policy, "fp32", block_size=16, chunk=16)
     assert (blocky.quality == pytest.approx(loop, rel=1e-4)) == (not policy.active)
+
+
+class KeepOldest(EvictionPolicy):
+    """A policy no module has heard of: the oldest units within the budget, and the one being
+    written (window's opposite). Only its keep rule is its own; the rest is the base class's."""
+
+    name = "oldest-test"
+
+    def keep(self, kept, n, unit, scores):
+        allowed = self.allowed_units(n, unit)
+        if int(kept.sum()) <= allowed:
+            return kept
+        out = torch.zeros_like(kept)
+        out[torch.nonzero(kept).flatten()[:allowed - 1]] = True
+        out[-1] = True
+        return out
+
+
+@pytest.fixture
+def oldest():
+    register(KeepOldest)
+    yield KeepOldest
+    unregister(KeepOldest.name)
+
+
+def test_a_new_policy_is_run_through_its_hooks_alone(llama, oldest):
+    """A subclass with its own keep rule, registered by name, is what the paged engine and the
+    plain loop run, with no edit to the scheduler, the runner or the attention: the blocks held
+    are the oldest ones and the one being written, and 1-token blocks match the loop's cache."""
+    from kvlab.models.attention import EvictingKVCache
+
+    bs, budget = 8, 32
+    llm = LLM(llama, kv_memory=kv_bytes(llama, 64, bs), block_size=bs, kv_policy=oldest.name,
+              kv_budget=budget, max_num_batched_tokens=16)
+    llm.engine.add_request(prompts((40,), seed=2)[0], LONG)
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        for seq in llm.engine.scheduler.running:
+            computed = -(-seq.num_computed_tokens // bs)
+            held = [i for i, b in enumerate(seq.block_tables[0][:computed]) if b >= 0]
+            assert held == (list(range(computed)) if computed <= budget // bs else [0, 1, 2, computed - 1])
+            steps += 1
+    m = llm.metrics()
+    assert steps > 100 and m.evicted_blocks > 0 and m.kv_blocks_used == 0
+
+    ids = prompts((160,), seed=3)[0]
+    policy = make_policy(oldest.name, 40)
+    cache = EvictingKVCache(llama.spec, policy, policy.max_tokens_held(160, 160, 16, 1), 160, torch.float32)
+    for a in range(0, 160, 16):
+        llama(torch.tensor(ids[a:a + 16]), cache.prepare(16), cache, None)
+        cache.evict()
+    assert cache.positions[:cache.held].tolist() == [*range(39), 159]
+    row = perplexity_engine(llama, None, ids, policy, "fp32", block_size=1, chunk=16)
+    assert row.blocks_freed > 0
+    assert row.quality == pytest.approx(perplexity_loop(llama, ids, policy, chunk=16), rel=1e-4)
+    assert row.quality != pytest.approx(
+        perplexity_engine(llama, None, ids, make_policy("window", 40), "fp32", block_size=1, chunk=16).quality,
+        rel=1e-4)
 
 
 def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama):
