@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 _IMPORTED = time.perf_counter()  # the first command's start-up counts its imports too
 _started: list[float] = []  # when each call of main() began; the first one: at _IMPORTED
 
+from kvlab.eviction import POLICIES
 from kvlab.options import (add_engine_args, add_model_args, byte_size, check_torchrun_tp, positive_int,
                            torchrun_rank)
 
@@ -513,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evict", help="what token eviction and lossy KV dtypes cost in quality "
                        "(perplexity or a hidden pass key), beside the bytes they save")
     add_model_args(p, dtype=("fp32", "bf16 near-ties would add batch-dependent noise"))
-    p.add_argument("--policies", type=_word_list, default=["full", "window", "streaming", "h2o", "snapkv"],
+    p.add_argument("--policies", type=_word_list, default=list(POLICIES),
                    help="comma-separated: full, window, streaming, h2o, snapkv (default: all)")
     p.add_argument("--budgets", type=_budget_list, default=[128, 256, 512],
                    help="comma-separated tokens kept per sequence, or ratios of the context (default 128,256,512)")

@@ -34,7 +34,7 @@ from kvlab.data import PERSUASION
 from kvlab.engine.engine import MODEL_KV_DTYPE
 from kvlab.engine.llm import LLM
 from kvlab.engine.sequence import NULL_BLOCK
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import EvictionPolicy, make_policy, policy_class
 from kvlab.models.attention import EvictingKVCache
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
@@ -192,14 +192,14 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
     if task not in ("perplexity", "needle"):
         raise ValueError(f"--task is perplexity or needle, not {task!r}")
     ids = text_ids(tokenizer, text, context)
-    configs = [EvictionPolicy(p, b) for p in policies for b in ([None] if p == "full" else budgets)]
+    configs = [make_policy(p, b) for p in policies for b in (budgets if policy_class(p).active else [None])]
     for c in configs:
         c.check_unit(block_size)
     def loops(policy: EvictionPolicy, kv_dtype: str) -> tuple[bool, ...]:
         """The plain-loop references of a perplexity row: renumber False, then True."""
         if not token_reference or kv_dtype not in ("auto", "fp32"):
             return ()
-        return (False, True) if policy.active and policy.name != "snapkv" else (False,)
+        return (False, True) if policy.active and not policy.waits_for_prompt else (False,)
 
     def units(policy: EvictionPolicy, kv_dtype: str) -> int:
         if task == "needle":  # each prompt is about len(ids) tokens
@@ -249,11 +249,12 @@ def plot_rows(rows: list[EvictRow], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     task = rows[0].task if rows else ""
     # snapkv's perplexity is full's by construction (see the module doc): drawn, it would hide full
-    keys = sorted({(r.policy, r.kv_dtype) for r in rows if not (task == "perplexity" and r.policy == "snapkv")})
+    keys = sorted({(r.policy, r.kv_dtype) for r in rows
+                   if not (task == "perplexity" and policy_class(r.policy).waits_for_prompt)})
     for policy, dtype in keys:
         pts = sorted((r.kv_bytes_kept, r.quality) for r in rows
                      if (r.policy, r.kv_dtype) == (policy, dtype) and r.quality is not None)
-        style = "o" if policy == "full" else "-o"
+        style = "-o" if policy_class(policy).active else "o"
         ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], style, label=f"{policy} ({dtype})")
     ax.set_xlabel("KV cache kept per sequence (MiB, peak)")
     ax.set_ylabel("perplexity (lower is better)" if task == "perplexity" else "needle accuracy")

@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from kvlab.dtypes import MODEL_DTYPE_HELP, WEIGHTS_HELP
-from kvlab.eviction import POLICIES, EvictionPolicy, parse_budget
+from kvlab.eviction import POLICIES, make_policy, parse_budget
 from kvlab.units import parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap-ram", "swap-disk")
@@ -180,7 +180,7 @@ class EngineOptions:
             raise ValueError(f"tp_timeout must be a positive number of seconds, got {self.tp_timeout!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        EvictionPolicy(self.kv_policy, self.kv_budget)  # raises a one-line ValueError
+        make_policy(self.kv_policy, self.kv_budget)  # raises a one-line ValueError
         if self.deterministic not in (None, True, False):
             raise ValueError(f"deterministic must be True, False or None (auto), got {self.deterministic!r}")
         if self.preemption not in PREEMPTION_MODES:

@@ -11,7 +11,7 @@ import torch
 from kvlab.cli import main
 from kvlab.engine.llm import LLM
 from kvlab.evaluate import perplexity_engine, perplexity_loop
-from kvlab.eviction import SCORE_ONE, EvictionPolicy, fixed_point
+from kvlab.eviction import SCORE_ONE, EvictionPolicy, fixed_point, make_policy, register, unregister
 from kvlab.sampling import SamplingParams
 from tests.test_engine_parity import kv_bytes, prompts, tiny_model
 
@@ -28,23 +28,23 @@ def _kept(n_units: int) -> torch.Tensor:
 
 
 def test_window_and_streaming_choices():
-    window = EvictionPolicy("window", 64).keep(_kept(10), 160, 16, None)
+    window = make_policy("window", 64).keep(_kept(10), 160, 16, None)
     assert window.tolist() == [False] * 6 + [True] * 4  # the 4 newest blocks
-    streaming = EvictionPolicy("streaming", 64, sinks=4).keep(_kept(10), 160, 16, None)
+    streaming = make_policy("streaming", 64, sinks=4).keep(_kept(10), 160, 16, None)
     assert streaming.tolist() == [True] + [False] * 6 + [True] * 3  # sink block + 3 newest
     # under the budget nothing leaves; what left never comes back
-    assert EvictionPolicy("window", 64).keep(_kept(4), 64, 16, None).all()
+    assert make_policy("window", 64).keep(_kept(4), 64, 16, None).all()
     once = torch.tensor([True, False, True, True, True, True])
-    assert not EvictionPolicy("streaming", 64, sinks=4).keep(once, 96, 16, None)[1]
+    assert not make_policy("streaming", 64, sinks=4).keep(once, 96, 16, None)[1]
 
 
 def test_h2o_keeps_heavy_hitters_and_snapkv_votes():
     scores = torch.zeros(160, dtype=torch.long)
     scores[40:48] = 5 * SCORE_ONE  # block 2 and block 5 drew the most attention
     scores[80:84] = 3 * SCORE_ONE
-    keep = EvictionPolicy("h2o", 64).keep(_kept(10), 160, 16, scores)
+    keep = make_policy("h2o", 64).keep(_kept(10), 160, 16, scores)
     assert keep.tolist() == [False, False, True, False, False, True, False, False, True, True]
-    snap = EvictionPolicy("snapkv", 64, obs_window=16).keep(_kept(10), 160, 16, scores)
+    snap = make_policy("snapkv", 64, obs_window=16).keep(_kept(10), 160, 16, scores)
     assert int(snap.sum()) == 4 and snap[2] and snap[5] and snap[9]
 
 
@@ -52,7 +52,7 @@ def test_snapkv_votes_are_pooled_over_neighbours_and_sum_in_any_order():
     scores = torch.zeros(40, dtype=torch.long)
     scores[10] = 9 * SCORE_ONE  # one voted token: its neighbours (within 3) come along
     scores[30] = 5 * SCORE_ONE
-    keep = EvictionPolicy("snapkv", 17, sinks=0, obs_window=4).keep(torch.ones(40, dtype=torch.bool), 40, 1, scores)
+    keep = make_policy("snapkv", 17, sinks=0, obs_window=4).keep(torch.ones(40, dtype=torch.bool), 40, 1, scores)
     # 4 recent + 13 by pooled votes: all 7 around position 10, then 6 of the 7 around 30 (ties
     # go to the older position)
     assert torch.nonzero(keep).flatten().tolist() == [*range(7, 14), *range(27, 33), *range(36, 40)]
@@ -101,8 +101,8 @@ def test_engine_gives_blocks_back_and_stays_bounded(llama, policy):
     assert m.kv_blocks_used == 0 and llm.engine.kv.pools[0].num_available == 64
 
 
-@pytest.mark.parametrize("policy", [EvictionPolicy("window", 40), EvictionPolicy("streaming", 40),
-                                    EvictionPolicy("h2o", 40), EvictionPolicy("full")],
+@pytest.mark.parametrize("policy", [make_policy("window", 40), make_policy("streaming", 40),
+                                    make_policy("h2o", 40), make_policy("full")],
                          ids=lambda p: p.name)
 def test_one_token_blocks_equal_the_token_granular_loop(llama, policy):
     """With 1-token blocks the engine evicts exactly what the plain loop's compacting cache
@@ -117,6 +117,65 @@ def test_one_token_blocks_equal_the_token_granular_loop(llama, policy):
     assert (blocky.quality == pytest.approx(loop, rel=1e-4)) == (not policy.active)
 
 
+class KeepOldest(EvictionPolicy):
+    """A policy no module has heard of: the oldest units within the budget, and the one being
+    written (window's opposite). Only its keep rule is its own; the rest is the base class's."""
+
+    name = "oldest-test"
+
+    def keep(self, kept, n, unit, scores):
+        allowed = self.allowed_units(n, unit)
+        if int(kept.sum()) <= allowed:
+            return kept
+        out = torch.zeros_like(kept)
+        out[torch.nonzero(kept).flatten()[:allowed - 1]] = True
+        out[-1] = True
+        return out
+
+
+@pytest.fixture
+def oldest():
+    register(KeepOldest)
+    yield KeepOldest
+    unregister(KeepOldest.name)
+
+
+def test_a_new_policy_is_run_through_its_hooks_alone(llama, oldest):
+    """A subclass with its own keep rule, registered by name, is what the paged engine and the
+    plain loop run, with no edit to the scheduler, the runner or the attention: the blocks held
+    are the oldest ones and the one being written, and 1-token blocks match the loop's cache."""
+    from kvlab.models.attention import EvictingKVCache
+
+    bs, budget = 8, 32
+    llm = LLM(llama, kv_memory=kv_bytes(llama, 64, bs), block_size=bs, kv_policy=oldest.name,
+              kv_budget=budget, max_num_batched_tokens=16)
+    llm.engine.add_request(prompts((40,), seed=2)[0], LONG)
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        for seq in llm.engine.scheduler.running:
+            computed = -(-seq.num_computed_tokens // bs)
+            held = [i for i, b in enumerate(seq.block_tables[0][:computed]) if b >= 0]
+            assert held == (list(range(computed)) if computed <= budget // bs else [0, 1, 2, computed - 1])
+            steps += 1
+    m = llm.metrics()
+    assert steps > 100 and m.evicted_blocks > 0 and m.kv_blocks_used == 0
+
+    ids = prompts((160,), seed=3)[0]
+    policy = make_policy(oldest.name, 40)
+    cache = EvictingKVCache(llama.spec, policy, policy.max_tokens_held(160, 160, 16, 1), 160, torch.float32)
+    for a in range(0, 160, 16):
+        llama(torch.tensor(ids[a:a + 16]), cache.prepare(16), cache, None)
+        cache.evict()
+    assert cache.positions[:cache.held].tolist() == [*range(39), 159]
+    row = perplexity_engine(llama, None, ids, policy, "fp32", block_size=1, chunk=16)
+    assert row.blocks_freed > 0
+    assert row.quality == pytest.approx(perplexity_loop(llama, ids, policy, chunk=16), rel=1e-4)
+    assert row.quality != pytest.approx(
+        perplexity_engine(llama, None, ids, make_policy("window", 40), "fp32", block_size=1, chunk=16).quality,
+        rel=1e-4)
+
+
 def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama):
     """StreamingLLM's positions in the loop reference: a kept key rotated down by the places it
     moved equals the key written at its new place; without eviction nothing moves, so the
@@ -124,7 +183,7 @@ def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama
     from kvlab.models.attention import EvictingKVCache
     from kvlab.models.llama import apply_rope
 
-    cache = EvictingKVCache(llama.spec, EvictionPolicy("streaming", 8), 16, 16, torch.float32,
+    cache = EvictingKVCache(llama.spec, make_policy("streaming", 8), 16, 16, torch.float32,
                             renumber=llama.inv_freq)
     raw = torch.randn(llama.spec.num_kv_heads, 16, llama.spec.layers[0].head_dim)
     cos, sin = llama.rope(torch.arange(16), torch.float32)
@@ -136,10 +195,10 @@ def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama
     torch.testing.assert_close(cache.k[0], expected, rtol=1e-5, atol=1e-5)
 
     ids = prompts((160,), seed=3)[0]
-    full = EvictionPolicy("full")
+    full = make_policy("full")
     assert perplexity_loop(llama, ids, full, 16, renumber=True) == pytest.approx(
         perplexity_loop(llama, ids, full, 16), rel=1e-6)
-    streaming = EvictionPolicy("streaming", 40)
+    streaming = make_policy("streaming", 40)
     assert perplexity_loop(llama, ids, streaming, 16, renumber=True) != pytest.approx(
         perplexity_loop(llama, ids, streaming, 16), rel=1e-4)
 

@@ -20,7 +20,7 @@ from kvlab.engine.output import OutputProcessor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import EvictionPolicy, make_policy
 from kvlab.hardware import system_memory
 from kvlab.layout import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.models.llama import CausalLM
@@ -159,7 +159,7 @@ class LLMEngine:
         kv_dtype = MODEL_KV_DTYPE[model.dtype] if options.kv_dtype == "auto" else options.kv_dtype
         groups = layer_groups(spec)
         swap = options.preemption != "recompute"
-        self.eviction = EvictionPolicy(options.kv_policy, options.kv_budget)
+        self.eviction = make_policy(options.kv_policy, options.kv_budget)
         if self.eviction.active and any(g.window is not None for g in groups):
             raise ValueError(f"--kv-policy {self.eviction.name}: {spec.name} has sliding-window layers, "
                              f"which evict by their window already; use --kv-policy full")

@@ -16,14 +16,14 @@ from torch import Tensor
 
 from kvlab.engine.attention import SeqSpan
 from kvlab.engine.executor import Executor, StepInput
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import EvictionPolicy, Full
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.engine.sequence import Sequence
 
 
 class ModelRunner:
     def __init__(self, executor: Executor, vocab_size: int,
-                 eviction: EvictionPolicy = EvictionPolicy()) -> None:
+                 eviction: EvictionPolicy = Full()) -> None:
         self.executor = executor
         self.vocab_size = vocab_size
         self.eviction = eviction

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.eviction import EvictionPolicy
+from kvlab.eviction import EvictionPolicy, Full
 from kvlab.engine.kv_manager import BlockCopies, KVCacheManager
 from kvlab.engine.sequence import SeqStatus, Sequence
 from kvlab.layout import cdiv
@@ -52,14 +52,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, swap: bool = False,
-                 eviction: EvictionPolicy = EvictionPolicy(), eviction_grid: int | None = None) -> None:
+                 eviction: EvictionPolicy = Full(), eviction_grid: int | None = None) -> None:
         """``eviction_grid`` (deterministic mode): while a prompt goes in, a lossy policy evicts
         only when the computed tokens reach a multiple of it (or the prompt's end), and no prompt
         chunk crosses one; so what a sequence keeps does not depend on how the other requests cut
         its prompt into chunks."""
         self.kv = kv
         self.eviction = eviction
-        self.eviction_grid = eviction_grid if eviction.active and eviction.name != "snapkv" else None
+        self.eviction_grid = eviction_grid if eviction.active and not eviction.waits_for_prompt else None
         self.num_evicted_blocks = 0
         self.num_evicted_tokens = 0
         self.max_num_seqs = max_num_seqs
@@ -218,8 +218,8 @@ class Scheduler:
     def _evict(self, seq: Sequence) -> None:
         """Apply the eviction policy to what ``seq`` has computed: blocks go back to the pool."""
         policy, n, bs = self.eviction, seq.num_computed_tokens, self.kv.block_size
-        if not policy.active or (policy.name == "snapkv" and n < seq.num_prompt_tokens):
-            return  # snapkv compresses once the whole prompt is in
+        if not policy.ready(n, seq.num_prompt_tokens):
+            return  # e.g. snapkv compresses once the whole prompt is in
         if self.eviction_grid and n < seq.num_prompt_tokens and n % self.eviction_grid:
             return  # between grid points: as if the chunk had not ended
         held = self.kv.held_blocks(seq)

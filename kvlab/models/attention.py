@@ -349,7 +349,7 @@ class EvictingKVCache:
         self.held += self._n
         self.seen += self._n
         self._n = 0
-        if not self.policy.active or (self.policy.name == "snapkv" and self.seen < self.num_prompt_tokens):
+        if not self.policy.ready(self.seen, self.num_prompt_tokens):
             return 0
         kept = torch.zeros(self.seen, dtype=torch.bool, device=self.positions.device)
         kept[self.positions[:self.held]] = True

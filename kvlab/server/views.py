@@ -18,7 +18,7 @@ import torch
 
 from kvlab.catalog import BUNDLED, OPTIONAL, find, load_spec
 from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
-from kvlab.eviction import POLICIES, EvictionPolicy
+from kvlab.eviction import POLICIES, make_policy
 from kvlab.generate import Generation
 from kvlab.models import CausalLM
 from kvlab.models.attention import EvictingKVCache
@@ -216,7 +216,7 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
         raise APIError(f"the prompt is {len(ids)} tokens; the eviction view takes {MAX_EVICT_PROMPT} at most",
                        param="prompt")
     try:
-        policies = [EvictionPolicy(name, budget, sinks=sinks) for name in POLICIES]
+        policies = [make_policy(name, budget, sinks=sinks) for name in POLICIES]
         for p in policies:
             p.check_unit(1)
     except ValueError as e:
