@@ -132,7 +132,7 @@ def loads_once():
 
     mp = pytest.MonkeyPatch()
     mp.setattr(kvlab.models, "load", load)
-    mp.setattr(kvlab.engine.llm, "load", load)
+    mp.setattr(kvlab.models.loader, "load", load)  # load_options, which every command calls
     yield
     mp.undo()
 
