@@ -53,10 +53,12 @@ from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c", "pool.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h", "kblocks.h", "pool.h")]
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # all of them in the build's hash
 # -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
 # ops round each step as PyTorch's eager ops do)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
+# -fvisibility=hidden: the library exports kvlab.h's KVLAB_API functions only
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fvisibility=hidden", "-pthread", "-shared",
+         "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
 MAX_ROWS = 64
