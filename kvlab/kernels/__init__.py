@@ -19,6 +19,9 @@ with ctypes, and PyTorch's own ops wherever they cannot run.
 - ``decoder_layers`` (``layer.c``): a stack of Llama-form decoder layers by the kernels above in
   one call, bitwise the same as the layers' modules running them one by one.
 
+Every function called from here and every struct filled here is declared once, in ``kvlab.h``;
+``binding.py`` reads it for their ctypes types.
+
 Their loops run on kvlab's own thread pool (``pool.c``, ``torch.get_num_threads()`` threads),
 whose caller never waits for a thread that is not running: a decode step keeps its pace beside
 other busy processes, where OpenMP's barriers stalled it (``benchmarks/stored_weights.py``).
@@ -51,12 +54,16 @@ from torch.profiler import record_function
 
 from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
+from kvlab.kernels import binding
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c", "pool.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "blocks.h", "kblocks.h", "pool.h")]
+HEADER = Path(__file__).with_name("kvlab.h")  # every exported function and shared struct (binding.py)
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # all of them in the build's hash
 # -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
 # ops round each step as PyTorch's eager ops do)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
+# -fvisibility=hidden: the library exports kvlab.h's KVLAB_API functions only
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fvisibility=hidden", "-pthread", "-shared",
+         "-fPIC")
 # Rows up to which the kernel beats MKL's sgemm on kvlab's weight shapes (more rows: the
 # blocked GEMM's reuse of each weight wins); docs/benchmarks.md has the sweep.
 MAX_ROWS = 64
@@ -101,25 +108,7 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
         return None, Status(False, f"{cc} failed: {first[0] if first else e}")
     except OSError as e:
         return None, Status(False, f"cannot build or load {path}: {e}")
-    p, n = ctypes.c_void_p, ctypes.c_long
-    for fn in (lib.kvlab_linear_f32, lib.kvlab_linear_bf16, lib.kvlab_linear_bf16_f32):
-        fn.argtypes = [p, p, p, p, n, n, n, ctypes.c_int]
-        fn.restype = None
-    lib.kvlab_linear_q.argtypes = [p, p, p, p, n, n, n, ctypes.c_int, ctypes.c_int]
-    lib.kvlab_dequantize.argtypes = [p, p, n, n, ctypes.c_int, ctypes.c_int]
-    lib.kvlab_linear_q.restype = lib.kvlab_dequantize.restype = None
-    lib.kvlab_paged_attention.argtypes = [p, p, p, ctypes.c_int, n, p, n, p, p, p, p, n, n, n, n, n,
-                                          ctypes.c_float, ctypes.c_int]
-    lib.kvlab_paged_attention.restype = ctypes.c_int
-    i, f = ctypes.c_int, ctypes.c_float
-    for fn, args in ((lib.kvlab_rms_norm, [p, p, p, p, p, n, n, f, i, i]),
-                     (lib.kvlab_rope, [p, n, n, n, n, p, p, i, i]),
-                     (lib.kvlab_store_kv, [p, p, n, n, p, p, p, n, n, n, n, n, i, i]),
-                     (lib.kvlab_silu_mul, [p, p, n, i, i])):
-        fn.argtypes, fn.restype = args, None
-    lib.kvlab_decoder_layers.argtypes = [p, p, p, i, n, n, p, p, p, p, i, i]
-    lib.kvlab_decoder_layers.restype = ctypes.c_int
-    lib.kvlab_set_avx512.argtypes, lib.kvlab_set_avx512.restype = [ctypes.c_int], ctypes.c_int
+    binding.bind(lib, binding.read(HEADER))
     wide = bool(lib.kvlab_set_avx512(int(not dispatch.switched_off("KVLAB_AVX512"))))
     return lib, Status(True, str(path), wide)
 
@@ -407,21 +396,15 @@ class LayerWeights:
                                                       and w.is_contiguous()) for w in self.weights)
 
 
-class _Layer(ctypes.Structure):
-    """layer.c's kvlab_layer."""
-
-    _fields_ = [("w", ctypes.c_void_p), ("fmt", ctypes.c_void_p), ("H", ctypes.c_long), ("KV", ctypes.c_long),
-                ("I", ctypes.c_long), ("eps", ctypes.c_float)]
-
-
 class LayerStack:
     """Decoder layers for ``decoder_layers``: each one's (weights, heads, KV heads, norm eps),
     packed once into the array the native call reads."""
 
     def __init__(self, layers: list[tuple[LayerWeights, int, int, float]]) -> None:
         self.layers = layers
-        self.array = (_Layer * len(layers))(*[
-            _Layer(ctypes.addressof(w.pointers), ctypes.addressof(w.format_array), h, kv, w.inter, eps)
+        layer = binding.read(HEADER).structs["kvlab_layer"]
+        self.array = (layer * len(layers))(*[
+            layer(ctypes.addressof(w.pointers), ctypes.addressof(w.format_array), h, kv, w.inter, eps)
             for w, h, kv, eps in layers])
         # every layer's held tensors in one list: one compare a step, not one per layer
         self._held = [t for w, *_ in layers for t in w._held]

@@ -20,7 +20,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "pool.h"
+#include "kvlab.h"
 #include "simd.h"
 
 #define GMAX 3 /* query heads per pass over the values: 3 x 4 accumulators */

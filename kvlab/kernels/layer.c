@@ -22,22 +22,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kvlab.h"
 #include "simd.h"
-
-void kvlab_linear_parts(const void *x, const kvlab_part *parts, int np, long M, long K, int threads,
-                        int bf16);
-void kvlab_rms_norm(const void *x, const void *a, void *h_out, const void *w, void *y, long M,
-                    long D, float eps, int bf16, int threads);
-void kvlab_rope(void *x, long T, long H, long D, long stride, const void *cos, const void *sin,
-                int bf16, int threads);
-void kvlab_store_kv(const void *k, const void *v, long k_stride, long v_stride, void *kc, void *vc,
-                    const int64_t *slots, long T, long KV, long D, long DV, long S, int src_bf16,
-                    int dst_bf16);
-void kvlab_silu_mul(void *gate, const void *up, long n, int bf16, int threads);
-int kvlab_paged_attention(const float *q, const void *kc, const void *vc, int bf16, long S,
-                          const int64_t *slots, long L, const int64_t *seq, const int64_t *start,
-                          const int64_t *len, float *out, long R, long H, long KV, long D, long DV,
-                          float scale, int threads);
 
 enum { NORM1, WQ, BQ, WK, BK, WV, BV, WO, BO, NORM2, WG, BG, WU, BU, WD, BD };
 
@@ -112,17 +98,10 @@ static int kvlab_decoder_layer(const void *const *w, const int *fmt, long M, lon
     return 0;
 }
 
-/* What kvlab_decoder_layer takes for one layer of a stack, but the step's rows (x, M, RoPE):
- * fixed while the model's weights are (w, fmt, shapes, eps), then this step's cache layout. */
-typedef struct {
-    const void *const *w;
-    const int *fmt;
-    long H, KV, I;
-    float eps;
-} kvlab_layer;
-
-/* layers[n]; caches[n][6]: each layer's k cache, v cache, D, S, cache_bf16 and row group; rows[g][6]:
- * each group's write_slots, slots, L, seqs, starts, lengths (int64, pointers as addresses).
+/* layers[n] (kvlab_layer, kvlab.h): what kvlab_decoder_layer takes for each layer but the step's
+ * rows (x, M, RoPE), fixed while the model's weights are (w, fmt, shapes, eps); caches[n][6]:
+ * each layer's k cache, v cache, D, S, cache_bf16 and row group; rows[g][6]: each group's
+ * write_slots, slots, L, seqs, starts, lengths (int64, pointers as addresses).
  * x [M, hidden] -> out; 1 as kvlab_decoder_layer. */
 int kvlab_decoder_layers(const kvlab_layer *layers, const int64_t *caches, const int64_t *rows, int n,
                          long M, long hidden, const void *x, void *out, const void *cos, const void *sin,

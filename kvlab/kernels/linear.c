@@ -23,7 +23,7 @@
 
 #include "blocks.h"
 #include "kblocks.h"
-#include "pool.h"
+#include "kvlab.h"
 
 #define NB_MAX 8 /* output rows (weight rows) per tile: 8 for one input row, else 4 */
 #define MB 3     /* input rows per tile: MB * 4 accumulators + 4 weights + 1 input in 16 registers */
@@ -308,7 +308,7 @@ static inline __attribute__((always_inline)) void btail(const float *x, const fl
 QTILES(qtiles, qtile, dtile, btile, MB, btail, __attribute__((always_inline)))
 QTILES(qtiles512_fmt, qtile512, dtile512, btile512, MB512, btail512, T512)
 
-/* kvlab_dequantize's arguments, for the pool's chunks of blocks (pool.h). */
+/* kvlab_dequantize's arguments, for the pool's chunks of blocks (pool.c). */
 typedef struct {
     const uint8_t *w;
     float *out;
@@ -329,7 +329,7 @@ qtiles512(const float *x, const kvlab_part *part, long n0, int nb, long block, l
     }
 }
 
-/* One call's arguments, for the pool's chunks of its weight tiles (pool.h). */
+/* One call's arguments, for the pool's chunks of its weight tiles (pool.c). */
 typedef struct {
     const void *x;
     const kvlab_part *parts;

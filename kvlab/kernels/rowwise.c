@@ -14,7 +14,7 @@
  */
 #include <math.h>
 
-#include "pool.h"
+#include "kvlab.h"
 #include "simd.h"
 
 /* A value of a row as fp32 (bf16 widened exactly). */

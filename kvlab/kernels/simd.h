@@ -6,16 +6,6 @@
 #include <stdint.h>
 #include <string.h>
 
-/* One weight of a linear layer sharing its input with others: y [M, N] = x w^T (+ b). fmt: 0 for
- * a dense weight in the activations' dtype, else a GGUF block format (blocks.h) read in place. */
-typedef struct {
-    const void *w, *b;
-    void *y;
-    long N;
-    int fmt;
-} kvlab_part;
-#define KVLAB_MAX_PARTS 3
-
 /* The lanes' sum, in one fixed order: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1. */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
