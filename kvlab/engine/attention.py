@@ -179,7 +179,9 @@ def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, bl
         q_pos = torch.arange(start, end)
         rows = slice(row, row + n)
         row += n
-        voters = None if span.scores is None else (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
+        voters = None
+        if span.scores is not None:
+            voters = (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
         if split is None:
             if voters is not None:
                 mask = _mask(q_pos, k_pos, window).to(device) if n > 1 else None
@@ -202,24 +204,26 @@ def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, bl
             allowed = _mask(q_pos, k_pos, window) & valid[None, :]
             if n == 1 and voters is None:
                 decodes.append((rows.start, slots, k_pos, allowed))
-            else:
-                splits.append(SplitSpan(torch.arange(rows.start, rows.stop)[None].to(device), slots[None].to(device),
-                                        k_pos[None].to(device), allowed[None].to(device),
-                                        None if voters is None else voters[None].to(device), span.scores))
+                continue
+            laid = (torch.arange(rows.start, rows.stop), slots, k_pos, allowed)
+            splits.append(SplitSpan(*(t[None].to(device) for t in laid),
+                                    None if voters is None else voters[None].to(device), span.scores))
     buckets = []
     # paged: decodes of similar context share a bucket; split: one batch, shorter key lists
     # padded with splits nobody sees (exact zeros)
     for longest, take in _by_length(decodes, BUCKET_RATIO if split is None else 0.0):
         if split is not None:
-            splits.append(SplitSpan(torch.tensor([[d[0]] for d in take], device=device),
-                                    *(_padded([d[i] for d in take], longest, zeros=True).to(device) for i in (1, 2, 3))))
+            padded = (_padded([d[i] for d in take], longest, zeros=True).to(device) for i in (1, 2, 3))
+            splits.append(SplitSpan(torch.tensor([[d[0]] for d in take], device=device), *padded))
             continue
         lengths = [len(s) for _, s in take]
         mask = None
         if min(lengths) < longest:
-            mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].to(device)
-        buckets.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device),
-                                    _padded([s for _, s in take], longest).to(device), mask, torch.tensor(lengths)))
+            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+            mask = mask[:, None, None, :].to(device)
+        slots = _padded([s for _, s in take], longest).to(device)
+        buckets.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device), slots, mask,
+                                    torch.tensor(lengths)))
     layout = None
     if rowwise:
         layout = _row_layout(rowwise)
@@ -291,8 +295,8 @@ class PagedAttention:
     def _step(self, gi: int, native: bool) -> GroupStep:
         step = self.steps[gi]
         if step is None:
-            step = self.steps[gi] = build_group_step(self.spans, gi, self.cache.groups[gi], self.cache.block_size,
-                                                     self.device, self.split, native)
+            step = self.steps[gi] = build_group_step(self.spans, gi, self.cache.groups[gi],
+                                                     self.cache.block_size, self.device, self.split, native)
         return step
 
     def native_layout(self, layers: tuple[tuple[int, int], ...], dtype: torch.dtype
