@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: the backend the model calls as ``attn.attend(layer, q, k, v)``.
 
-Per step the runner prepares, for each layer group, where each new token's K/V go (slot mapping)
-and which slots each sequence reads (its block table expanded over the positions it can see: its
-whole context, or its window). Each layer then writes the new K/V through the slot mapping and
-reads, per sequence, only the slots it can see:
+Per step, each layer group's layout is built once, at the group's first layer
+(``build_group_step``): where each new token's K/V go (slot mapping) and which slots each query
+reads (its block table expanded over the positions it can see: its whole context, or its
+window). Each layer then writes the new K/V through the slot mapping and reads, per sequence,
+only the slots it can see:
 - prefill chunks (several new tokens of one sequence): one SDPA each, causal over the cached
   prefix plus the chunk (a window mask on sliding layers);
 - decodes (one new token each): bucketed by context length (lengths within 3/4 of the bucket's
@@ -16,11 +17,11 @@ Blocks a sequence gave back (a window's past, evicted tokens) are skipped; the k
 keep their positions, so masks are built from positions, not from slot order.
 A GPU kernel (FlashAttention's varlen / paged KV) would replace ``attend`` and reuse the metadata.
 
-``InvariantAttention`` is the deterministic mode's backend: the same cache, but every query
-computed so that a token's output does not depend on the batch, the chunking, or the decode
-padding: by ``kvlab.kernels.paged_attention`` where it runs (each query row on its own, prompt
-tokens and decodes alike: ``RowLayout``), otherwise with each sequence's keys laid out by
-absolute position in fixed splits (``split_layout``) through
+``InvariantAttention`` is the deterministic mode's backend: the same cache and the same layout
+built with a split size (``SPLIT``), so that a token's output does not depend on the batch, the
+chunking, or the decode padding: every query by ``kvlab.kernels.paged_attention`` where it runs
+(each query row on its own, prompt tokens and decodes alike: ``RowLayout``), otherwise with each
+sequence's keys laid out by absolute position in whole splits (``SplitSpan``) through
 ``kvlab.models.invariant.split_attention``. Sequences whose policy needs attention scores always
 take the split path, which returns them.
 """
@@ -41,6 +42,7 @@ from kvlab.models.attention import _mask, _sdpa, attend_scored
 from kvlab.models.invariant import SPLIT, split_attention
 
 BUCKET_RATIO = 0.75  # a decode joins a bucket if its context is >= 3/4 of the bucket's longest
+QUERY_CHUNK = 256  # query rows per split_attention call: bounds the [H, rows, L] weights held
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,6 @@ class DecodeBucket:
     key_slots: Tensor  # [b, L], padded with each row's last slot
     mask: Tensor | None  # [b, 1, 1, L] True = real key; None when no row is padded
     lengths: Tensor  # [b] each row's real keys (the first of its key_slots)
-    all_rows: bool = False  # rows are 0..T-1: the step's only work, no gather/scatter of rows
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,43 @@ class ScoredSpan:
 
 
 @dataclass(frozen=True)
+class SplitSpan:
+    """The split layout: B spans of n queries each (decodes: B sequences, n = 1; a prefill
+    chunk or a scored span: B = 1), keys by absolute position in whole splits."""
+
+    rows: Tensor  # [B, n] query rows in the flat batch
+    key_slots: Tensor  # [B, L], L a multiple of the split (slot 0 where a key is not valid)
+    key_positions: Tensor  # [B, L]
+    allowed: Tensor  # [B, n, L] True = the query sees the key
+    voters: Tensor | None = None  # [B, n] for a scored span
+    scores: Tensor | None = None  # the sequence's scores (B = 1), added to in place
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Rows for the native kernel one by one (``kvlab.kernels.paged_attention``): query rows[i]
+    reads the keys at ``slots[seqs[i], starts[i]:starts[i] + lengths[i]]``."""
+
+    rows: Tensor  # [R] query rows in the flat batch
+    slots: Tensor  # [NS, L] each sequence's kept keys in position order, padded
+    seqs: Tensor  # [R]
+    starts: Tensor  # [R]
+    lengths: Tensor  # [R]
+
+
+@dataclass(frozen=True)
 class GroupStep:
-    """One layer group's view of the step."""
+    """One layer group's layout of the step (``build_group_step``): the paged layout fills
+    ``prefills``, ``decodes`` and ``scored``, the split layout ``splits`` and (where the native
+    kernel runs) ``rowwise``."""
 
     slot_mapping: Tensor  # [T] where each new token's K/V go
     prefills: list[PrefillSpan]
     decodes: list[DecodeBucket]
     scored: list[ScoredSpan]
+    splits: list[SplitSpan]
+    rowwise: RowLayout | None  # the split layout's unscored rows, or the paged one's only bucket
+    whole: bool  # rowwise holds every row, in order
 
 
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> tuple[Tensor, Tensor | None]:
@@ -115,60 +146,123 @@ def token_slots(table: list[int], start: int, end: int, block_size: int) -> tupl
     return slots[keep], positions[keep]
 
 
+def on_splits(slots: Tensor, positions: Tensor, split: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Keys (slots at ascending positions) laid out by absolute position in whole splits: the
+    slots (0 where a position holds no key), positions and validity of every split that holds a
+    key; the others are left out, which changes no sum (their keys would add exact zeros)."""
+    held, which = torch.unique_consecutive(positions // split, return_inverse=True)
+    at = which * split + positions % split
+    grid = torch.zeros(len(held) * split, dtype=slots.dtype)
+    grid[at] = slots
+    valid = torch.zeros(len(held) * split, dtype=torch.bool)
+    valid[at] = True
+    return grid, (held[:, None] * split + torch.arange(split)).flatten(), valid
+
+
 def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, block_size: int,
-                     device: torch.device | str) -> GroupStep:
-    """Slot mapping, prefill spans and decode buckets of one group for this step."""
+                     device: torch.device | str, split: int | None = None, native: bool = False) -> GroupStep:
+    """One group's layout of this step: each span's new slots and the keys its queries may read
+    (from its window's first position on, blocks given back skipped). ``split`` None: the paged
+    layout (prefill spans, decode buckets, scored spans). A split size: deterministic mode's,
+    each span's keys in whole splits (``SplitSpan``; the decodes in one batch), or, with
+    ``native``, the spans that need no scores as rows for the native kernel (``RowLayout``)."""
     window = group.window
-    mapping, prefills, decodes, scored = [], [], [], []
+    mapping, prefills, decodes, scored, splits, rowwise = [], [], [], [], [], []
     row = 0
     for span in spans:
         start, n = span.start, span.num_tokens
         end = start + n
-        k_start = 0 if window is None else max(0, start - window + 1)
-        slots, kept_pos = token_slots(span.block_tables[group_idx], k_start, end, block_size)
+        lo = 0 if window is None else max(0, start - window + 1)
+        slots, kept = token_slots(span.block_tables[group_idx], lo, end, block_size)
         mapping.append(slots[-n:])
-        k_pos = kept_pos if kept_pos is not None else torch.arange(k_start, end)
+        k_pos = kept if kept is not None else torch.arange(lo, end)
         q_pos = torch.arange(start, end)
+        rows = slice(row, row + n)
+        row += n
+        voters = None
         if span.scores is not None:
             voters = (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
-            mask = _mask(q_pos, k_pos, window) if n > 1 else None
-            scored.append(ScoredSpan(slice(row, row + n), slots.to(device), k_pos.to(device),
-                                     None if mask is None else mask.to(device), voters.to(device),
-                                     span.scores))
-        elif n == 1:
-            decodes.append((row, slots))
+        if split is None:
+            if voters is not None:
+                mask = _mask(q_pos, k_pos, window).to(device) if n > 1 else None
+                scored.append(ScoredSpan(rows, slots.to(device), k_pos.to(device), mask, voters.to(device),
+                                         span.scores))
+            elif n == 1:
+                decodes.append((rows.start, slots))
+            else:
+                causal = start == 0 and kept is None and (window is None or window >= n)
+                mask = None if causal else _mask(q_pos, k_pos, window).to(device)
+                prefills.append(PrefillSpan(rows, slots.to(device), mask, causal))
+        elif native and voters is None:
+            # every query sees a run of the kept keys: from the window's first to its own position
+            first = (torch.zeros(n, dtype=torch.long) if window is None
+                     else torch.searchsorted(k_pos, q_pos - window + 1))
+            last = torch.searchsorted(k_pos, q_pos, right=True)
+            rowwise.append((torch.arange(rows.start, rows.stop), slots, first, last - first))
         else:
-            causal = start == 0 and kept_pos is None and (window is None or window >= n)
-            mask = None
-            if not causal:
-                mask = _mask(q_pos, k_pos, window).to(device)
-            prefills.append(PrefillSpan(slice(row, row + n), slots.to(device), mask, causal))
-        row += n
-    buckets = _buckets(decodes, device, all_rows=not prefills and not scored)
-    return GroupStep(torch.cat(mapping).to(device), prefills, buckets, scored)
+            slots, k_pos, valid = on_splits(slots, k_pos, split)
+            allowed = _mask(q_pos, k_pos, window) & valid[None, :]
+            if n == 1 and voters is None:
+                decodes.append((rows.start, slots, k_pos, allowed))
+                continue
+            laid = (torch.arange(rows.start, rows.stop), slots, k_pos, allowed)
+            splits.append(SplitSpan(*(t[None].to(device) for t in laid),
+                                    None if voters is None else voters[None].to(device), span.scores))
+    buckets = []
+    # paged: decodes of similar context share a bucket; split: one batch, shorter key lists
+    # padded with splits nobody sees (exact zeros)
+    for longest, take in _by_length(decodes, BUCKET_RATIO if split is None else 0.0):
+        if split is not None:
+            padded = (_padded([d[i] for d in take], longest, zeros=True).to(device) for i in (1, 2, 3))
+            splits.append(SplitSpan(torch.tensor([[d[0]] for d in take], device=device), *padded))
+            continue
+        lengths = [len(s) for _, s in take]
+        mask = None
+        if min(lengths) < longest:
+            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+            mask = mask[:, None, None, :].to(device)
+        slots = _padded([s for _, s in take], longest).to(device)
+        buckets.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device), slots, mask,
+                                    torch.tensor(lengths)))
+    layout = None
+    if rowwise:
+        layout = _row_layout(rowwise)
+    elif len(buckets) == 1 and not prefills and not scored:  # a decode-only step: one row per sequence
+        b = buckets[0]
+        layout = RowLayout(b.rows, b.key_slots, torch.arange(len(b.lengths)),
+                           torch.zeros(len(b.lengths), dtype=torch.long), b.lengths)
+    return GroupStep(torch.cat(mapping).to(device), prefills, buckets, scored, splits, layout,
+                     layout is not None and not splits)
 
 
-def _buckets(decodes: list[tuple[int, Tensor]], device: torch.device | str,
-             all_rows: bool = False) -> list[DecodeBucket]:
-    """Group decodes of similar context length; pad each bucket to its longest. `all_rows`:
-    the step has nothing but these decodes."""
+def _by_length(decodes: list[tuple], ratio: float) -> list[tuple[int, list[tuple]]]:
+    """Decodes (row, key slots, ...) batched by their keys' count: each batch takes every decode
+    left with at least ``ratio`` x the longest's keys (0: all in one); its longest and its decodes
+    in row order (one batch of a decode-only step is all rows)."""
     out = []
     pending = sorted(decodes, key=lambda d: -len(d[1]))
     while pending:
         longest = len(pending[0][1])
-        take = [d for d in pending if len(d[1]) >= BUCKET_RATIO * longest]
+        take = [d for d in pending if len(d[1]) >= ratio * longest]
         pending = pending[len(take):]
-        take.sort(key=lambda d: d[0])  # rows in order: one bucket of a decode-only step is all rows
-        lengths = [len(s) for _, s in take]
-        slots = torch.stack([torch.cat([s, s[-1:].expand(longest - len(s))]) for _, s in take])
-        mask = None
-        if min(lengths) < longest:
-            mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-            mask = mask.to(device)
-        whole = all_rows and not out and not pending
-        out.append(DecodeBucket(torch.tensor([r for r, _ in take], device=device),
-                                slots.to(device), mask, torch.tensor(lengths), whole))
+        out.append((longest, sorted(take, key=lambda d: d[0])))
     return out
+
+
+def _padded(tensors: list[Tensor], longest: int, zeros: bool = False) -> Tensor:
+    """Tensors [..., L_i] stacked, each padded along its last axis to ``longest`` with its last
+    entries (``zeros``: with zeros / False)."""
+    return torch.stack([torch.cat([t, (t.new_zeros(()) if zeros else t[..., -1:]).expand(
+        *t.shape[:-1], longest - t.shape[-1])], -1) for t in tensors])
+
+
+def _row_layout(spans: list[tuple[Tensor, Tensor, Tensor, Tensor]]) -> RowLayout:
+    """(rows, slots, first visible key, visible keys) per sequence -> one layout."""
+    longest = max(len(s[1]) for s in spans)
+    return RowLayout(torch.cat([s[0] for s in spans]),
+                     torch.stack([F.pad(s[1], (0, longest - len(s[1]))) for s in spans]),
+                     torch.cat([torch.full_like(s[0], i) for i, s in enumerate(spans)]),
+                     torch.cat([s[2] for s in spans]), torch.cat([s[3] for s in spans]))
 
 
 def _indices(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -178,18 +272,32 @@ def _indices(*tensors: Tensor) -> tuple[Tensor, ...]:
 class PagedAttention:
     """The attention backend over a PagedKVCache; `prepare` it before each forward pass."""
 
+    split: int | None = None  # the layout's split size (None: the paged layout)
+    row_block = 1  # the split layout's matmul rows come in multiples of this
+
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
-        self.steps: list[GroupStep] = []
+        self.spans: list[SeqSpan] = []
+        self.device: torch.device | str = "cpu"
+        self.steps: list[GroupStep | None] = []
         # (layers, dtype) -> where those layers' K/V lie for the native stack (None: some layer's
         # cache is not one the native attention reads): a cache's tensors stay put for its life
         self.native_caches: dict[tuple[tuple[tuple[int, int], ...], torch.dtype], kernels.CacheLayout | None] = {}
         self.rows: list[kernels.StepRows | None] | None = None
 
     def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
-        self.steps = [build_group_step(spans, gi, g, self.cache.block_size, device)
-                      for gi, g in enumerate(self.cache.groups)]
+        # laid out per group at its first layer, when the queries' dtype says whether the native
+        # kernel runs (which the split layout lays rows out for)
+        self.spans, self.device = spans, device
+        self.steps = [None] * len(self.cache.groups)
         self.rows = None  # each group's, at the first native_layout of the step
+
+    def _step(self, gi: int, native: bool) -> GroupStep:
+        step = self.steps[gi]
+        if step is None:
+            step = self.steps[gi] = build_group_step(self.spans, gi, self.cache.groups[gi],
+                                                     self.cache.block_size, self.device, self.split, native)
+        return step
 
     def native_layout(self, layers: tuple[tuple[int, int], ...], dtype: torch.dtype
                       ) -> tuple[kernels.CacheLayout, list[kernels.StepRows]] | None:
@@ -216,27 +324,34 @@ class PagedAttention:
         return kernels.CacheLayout(caches, [self.cache.group_of[i] for i, _ in layers])
 
     def _native_rows(self, gi: int) -> kernels.StepRows | None:
-        """A decode-only step (one bucket, every row): its write slots, key slots, seqs, starts
+        """A step whose every row the native attention reads one by one (a decode-only step of
+        one bucket; the split layout: no scored spans): its write slots, key slots, seqs, starts
         and lengths."""
-        step = self.steps[gi]
-        if len(step.decodes) != 1 or not step.decodes[0].all_rows:
+        step = self._step(gi, True)
+        if not step.whole:
             return None
-        b = step.decodes[0]
-        return kernels.StepRows(*_indices(step.slot_mapping, b.key_slots, torch.arange(len(b.lengths)),
-                                          torch.zeros(len(b.lengths), dtype=torch.long), b.lengths))
+        r = step.rowwise
+        assert r is not None
+        return kernels.StepRows(*_indices(step.slot_mapping, r.slots, r.seqs, r.starts, r.lengths))
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        step = self.steps[self.cache.group_of[layer_idx]]
-        self.cache.write(layer_idx, k, v, step.slot_mapping)
         plain = self.cache.plain(layer_idx)
         native = plain is not None and kernels.attention_usable(q, *plain)
-        if len(step.decodes) == 1 and step.decodes[0].all_rows:  # a decode-only step, one bucket
-            b = step.decodes[0]
+        step = self._step(self.cache.group_of[layer_idx], native)
+        self.cache.write(layer_idx, k, v, step.slot_mapping)
+        r = step.rowwise
+        if step.whole:  # every row, in order: one call, no gather or scatter of rows
             if native:
-                return kernels.paged_attention(q, *plain, b.key_slots, b.lengths)
-            keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
-            return _sdpa(q[:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)[:, :, 0]
+                assert r is not None and plain is not None
+                return kernels.paged_attention(q, *plain, r.slots, r.lengths, r.starts, r.seqs)
+            if step.decodes:  # the paged layout's one bucket, without the kernel
+                b = step.decodes[0]
+                keys, vals = self.cache.read(layer_idx, b.key_slots, q.dtype)  # [KV, b, L, D]
+                return _sdpa(q[:, :, None], keys.transpose(0, 1), vals.transpose(0, 1), b.mask)[:, :, 0]
         out = torch.empty_like(q)
+        if r is not None:  # the split layout's rows for the native kernel
+            assert plain is not None
+            out[r.rows] = kernels.paged_attention(q[r.rows], *plain, r.slots, r.lengths, r.starts, r.seqs)
         for p in step.prefills:
             keys, vals = self.cache.read(layer_idx, p.key_slots, q.dtype)  # [KV, L, D]
             o = _sdpa(q[p.rows].transpose(0, 1)[None], keys[None], vals[None], p.mask,
@@ -253,159 +368,7 @@ class PagedAttention:
             keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, L, D]
             out[s.rows], mass = attend_scored(q[s.rows], keys, vals, s.mask, s.voters)
             s.scores.index_add_(0, s.key_positions, mass)
-        return out
-
-
-QUERY_CHUNK = 256  # query rows per split_attention call: bounds the [H, rows, L] weights held
-
-
-@dataclass(frozen=True)
-class SplitSpan:
-    """Deterministic mode: B spans of n queries each (decodes: B sequences, n = 1; a prefill
-    chunk or a scored span: B = 1), keys by absolute position in whole splits."""
-
-    rows: Tensor  # [B, n] query rows in the flat batch
-    key_slots: Tensor  # [B, L], L a multiple of SPLIT (slot 0 where a key is not valid)
-    key_positions: Tensor  # [B, L]
-    allowed: Tensor  # [B, n, L] True = the query sees the key
-    voters: Tensor | None = None  # [B, n] for a scored span
-    scores: Tensor | None = None  # the sequence's scores (B = 1), added to in place
-
-
-def split_layout(table: list[int], lo: int, end: int, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots, positions and validity of the keys a span may read, from position ``lo`` (rounded
-    down to a split) to ``end``, padded to whole splits; splits with no key held at all (given
-    back or evicted) are left out, which changes no sum (their keys would add exact zeros)."""
-    first = lo // SPLIT * SPLIT
-    length = -(-(end - first) // SPLIT) * SPLIT
-    positions = torch.arange(first, first + length)
-    blocks = torch.tensor(table + [NULL_BLOCK] * (cdiv(first + length, block_size) - len(table)),
-                          dtype=torch.long)[positions // block_size]
-    valid = (blocks != NULL_BLOCK) & (positions < end) & (positions >= lo)
-    slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
-    held = valid.view(-1, SPLIT).any(1).repeat_interleave(SPLIT)
-    return slots[held], positions[held], valid[held]
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Deterministic mode's native path: query rows[i] reads the keys at
-    ``slots[seqs[i], starts[i]:starts[i] + lengths[i]]`` (``kvlab.kernels.paged_attention``)."""
-
-    rows: Tensor  # [R] query rows in the flat batch
-    slots: Tensor  # [NS, L] each sequence's kept keys in position order, padded with slot 0
-    seqs: Tensor  # [R]
-    starts: Tensor  # [R]
-    lengths: Tensor  # [R]
-
-
-def row_layout(spans: list[tuple[Tensor, Tensor, Tensor, Tensor]]) -> RowLayout:
-    """(rows, slots, first visible key, visible keys) per sequence -> one layout."""
-    longest = max(len(s[1]) for s in spans)
-    return RowLayout(torch.cat([s[0] for s in spans]),
-                     torch.stack([F.pad(s[1], (0, longest - len(s[1]))) for s in spans]),
-                     torch.cat([torch.full_like(s[0], i) for i, s in enumerate(spans)]),
-                     torch.cat([s[2] for s in spans]), torch.cat([s[3] for s in spans]))
-
-
-def build_split_spans(spans: list[SeqSpan], group_idx: int, group: LayerGroup, block_size: int,
-                      device: torch.device | str, native: bool = False
-                      ) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
-    """The slot mapping, split spans and (``native``: for the sequences that need no scores) the
-    row layout of one group for this step (deterministic mode)."""
-    window = group.window
-    mapping, out, decodes, rowwise = [], [], [], []
-    row = 0
-    for span in spans:
-        start, n = span.start, span.num_tokens
-        end = start + n
-        table = span.block_tables[group_idx]
-        mapping.append(token_slots(table, start, end, block_size)[0])
-        lo = 0 if window is None else max(0, start - window + 1)
-        if native and span.scores is None:
-            # every query sees a run of the kept keys: from the window's first to its own position
-            slots, kept = token_slots(table, lo, end, block_size)
-            k_pos = kept if kept is not None else torch.arange(lo, end)
-            q_pos = torch.arange(start, end)
-            first = (torch.zeros(n, dtype=torch.long) if window is None
-                     else torch.searchsorted(k_pos, q_pos - window + 1))
-            last = torch.searchsorted(k_pos, q_pos, right=True)
-            rowwise.append((torch.arange(row, row + n), slots, first, last - first))
-            row += n
-            continue
-        slots, k_pos, valid = split_layout(table, lo, end, block_size)
-        q_pos = torch.arange(start, end)
-        allowed = _mask(q_pos, k_pos, window) & valid[None, :]
-        rows = torch.arange(row, row + n)
-        if span.scores is not None:
-            voters = (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
-            out.append(SplitSpan(rows[None].to(device), slots[None].to(device), k_pos[None].to(device),
-                                 allowed[None].to(device), voters[None].to(device), span.scores))
-        elif n == 1:
-            decodes.append((rows, slots, k_pos, allowed))
-        else:
-            out.append(SplitSpan(rows[None].to(device), slots[None].to(device), k_pos[None].to(device),
-                                 allowed[None].to(device)))
-        row += n
-    if decodes:  # one batch: shorter key lists padded with splits nobody sees (exact zeros)
-        longest = max(len(d[1]) for d in decodes)
-
-        def pad(t: Tensor, value: int | bool) -> Tensor:
-            return torch.cat([t, t.new_full((*t.shape[:-1], longest - t.shape[-1]), value)], -1)
-
-        out.append(SplitSpan(torch.stack([d[0] for d in decodes]).to(device),
-                             torch.stack([pad(d[1], 0) for d in decodes]).to(device),
-                             torch.stack([pad(d[2], 0) for d in decodes]).to(device),
-                             torch.stack([pad(d[3], False) for d in decodes]).to(device)))
-    return torch.cat(mapping).to(device), out, row_layout(rowwise) if rowwise else None
-
-
-class InvariantAttention(PagedAttention):
-    """The paged backend of deterministic mode: every query through the native kernel (one row
-    at a time) where it reads this cache, otherwise through ``split_attention``, with matmul rows
-    in whole ``row_block``s (the block the linear layers' probe found stable)."""
-
-    def __init__(self, cache: PagedKVCache, row_block: int) -> None:
-        super().__init__(cache)
-        self.row_block = row_block
-        self.spans: list[SeqSpan] = []
-        self.device: torch.device | str = "cpu"
-        self.split_steps: dict[int, tuple[Tensor, list[SplitSpan], RowLayout | None]] = {}
-
-    def prepare(self, spans: list[SeqSpan], device: torch.device | str) -> None:
-        # laid out per group at its first layer, when the queries' dtype says which path runs
-        self.spans, self.device, self.split_steps = spans, device, {}
-        self.rows = None
-
-    def _group_step(self, gi: int, native: bool) -> tuple[Tensor, list[SplitSpan], RowLayout | None]:
-        if gi not in self.split_steps:
-            self.split_steps[gi] = build_split_spans(self.spans, gi, self.cache.groups[gi],
-                                                     self.cache.block_size, self.device, native)
-        return self.split_steps[gi]
-
-    def _native_rows(self, gi: int) -> kernels.StepRows | None:
-        """A step whose every row runs one by one through the native attention (no scored
-        spans)."""
-        mapping, spans, rowwise = self._group_step(gi, True)
-        if rowwise is None or spans:
-            return None
-        return kernels.StepRows(*_indices(mapping, rowwise.slots, rowwise.seqs, rowwise.starts, rowwise.lengths))
-
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        plain = self.cache.plain(layer_idx)
-        native = plain is not None and kernels.attention_usable(q, *plain)
-        mapping, spans, rowwise = self._group_step(self.cache.group_of[layer_idx], native)
-        self.cache.write(layer_idx, k, v, mapping)
-        if rowwise is not None and not spans:  # every row, in order: no gather or scatter
-            assert plain is not None
-            return kernels.paged_attention(q, *plain, rowwise.slots, rowwise.lengths, rowwise.starts,
-                                           rowwise.seqs)
-        out = torch.empty_like(q)
-        if rowwise is not None:
-            assert plain is not None
-            out[rowwise.rows] = kernels.paged_attention(q[rowwise.rows], *plain, rowwise.slots,
-                                                        rowwise.lengths, rowwise.starts, rowwise.seqs)
-        for s in spans:
+        for s in step.splits:
             keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, B, L, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             for a in range(0, s.rows.shape[1], QUERY_CHUNK):
@@ -417,3 +380,16 @@ class InvariantAttention(PagedAttention):
                 if mass is not None and s.scores is not None:
                     s.scores.index_add_(0, s.key_positions[0], mass[0])
         return out
+
+
+class InvariantAttention(PagedAttention):
+    """The paged backend of deterministic mode: the split layout (``SPLIT``), every query through
+    the native kernel (one row at a time) where it reads this cache, otherwise through
+    ``split_attention``, with matmul rows in whole ``row_block``s (the block the linear layers'
+    probe found stable)."""
+
+    split = SPLIT
+
+    def __init__(self, cache: PagedKVCache, row_block: int) -> None:
+        super().__init__(cache)
+        self.row_block = row_block
