@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.models.attention import _sdpa
 
 SHAPES = [(1536, 576), (576, 1536), (576, 576), (49152, 576)]  # gate/up, down, q/o, the LM head
@@ -81,10 +81,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    status = kernels.status()
-    if not status.available:
-        raise SystemExit(f"kvlab's kernels do not run here: {status.detail}")
-    print(f"{args.threads} threads; {status.detail}")
+    here = dispatch.backends()  # also turns the AVX-512 loops on where they run
+    if not here.native:
+        raise SystemExit(f"kvlab's kernels do not run here: {here.native.why}")
+    print(f"{args.threads} threads; {here.line()}")
     with torch.inference_mode():
         linear_table()
         attention_table()

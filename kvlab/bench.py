@@ -123,6 +123,7 @@ class BenchResult:
     hf_identical_requests: int | None = None  # greedy outputs equal to the engine's
     dtype_why: str = ""  # how the loader chose `dtype` (kvlab.models.loader.choose_dtype)
     linear_kernel: str = ""  # what runs the linear layers (kvlab.dispatch.Backends.linear_kernel)
+    cpu_paths: str = ""  # every CPU-dependent path, on or off, and why (kvlab.dispatch.Backends.line)
     deterministic_why: str = ""  # the flag, or auto's reason (kvlab.engine.engine.deterministic_is_free)
     notes: list[str] = field(default_factory=list)
 

@@ -173,6 +173,7 @@ def generate_runner(runner: str, tp: int, deterministic: bool | None, no_cache: 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvlab import dispatch
     from kvlab.generate import Generation
     from kvlab.models import load_options
     from kvlab.options import ModelOptions
@@ -206,6 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
                           "dtype_why": loaded.dtype.why, "weights": sorted(loaded.weights.formats),
                           "weights_why": loaded.weights.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp, "runner": runner,
+                          "cpu_paths": dispatch.backends().line(),
                           **result.as_dict()}))
     else:
         print()
@@ -324,7 +326,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_output_tokens_per_s, result.hf_batch_size = hf_tps, args.hf_batch_size
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     result.dtype_why, result.weights = loaded.dtype.why, str(loaded.weights)
-    result.linear_kernel = dispatch.backends().linear_kernel(model.dtype, result.deterministic)
+    here = dispatch.backends()
+    result.linear_kernel, result.cpu_paths = here.linear_kernel(model.dtype, result.deterministic), here.line()
     add_compute_bound(result, model)
     if options.tp > 1:
         ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None

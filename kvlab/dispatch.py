@@ -90,14 +90,16 @@ def native_kernels() -> Feature:
 
 
 def avx512_kernels() -> Feature:
-    """Do the native kernels take their AVX-512 loops here (the CPU says, through the library)?"""
+    """Do the native kernels take their AVX-512 loops here (the CPU says, through the library)?
+    The answer is applied: the library runs the loops it says."""
+    if not native_kernels():
+        return Feature("KVLAB_AVX512", False, "the native kernels do not run here")
     from kvlab import kernels
 
     if switched_off("KVLAB_AVX512"):
+        kernels.set_avx512(False)
         return Feature("KVLAB_AVX512", False, "KVLAB_AVX512=off")
-    if not native_kernels():
-        return Feature("KVLAB_AVX512", False, "the native kernels do not run here")
-    if not kernels.avx512():
+    if not kernels.set_avx512(True):
         return Feature("KVLAB_AVX512", False, "this CPU lacks AVX-512 F and DQ")
     return Feature("KVLAB_AVX512", True, "this CPU has AVX-512 F and DQ")
 

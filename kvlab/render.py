@@ -233,6 +233,8 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
               f"matrices {matrices}" + (f"; {r.weights}" if r.weights else "") + "; each decode step reads them")
     if r.linear_kernel:
         t.add_row("linear layers", "", r.linear_kernel)
+    if r.cpu_paths:
+        t.add_row("CPU paths", "", r.cpu_paths)
     if r.deterministic:
         t.add_row("mode", "deterministic", f"{r.deterministic_why}; batch-invariant kernels: a row's "
                   "results never depend on the batch")

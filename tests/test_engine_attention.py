@@ -20,7 +20,7 @@ import torch
 from kvlab.engine.attention import InvariantAttention, PagedAttention, SeqSpan
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.sequence import NULL_BLOCK
-from kvlab.engine.sizing import cdiv, layer_groups
+from kvlab.layout import cdiv, layer_groups
 from kvlab.eviction import SCORE_ONE
 from kvlab.spec import spec_from_config
 from tests.test_engine_parity import tiny_config

@@ -95,13 +95,12 @@ def test_the_layer_is_the_dense_layer_on_the_dequantised_weight(name):
             assert torch.equal(kernels.linear_q(x, blocks, FORMATS[name].code, None), kernels.linear(x, ref, None)), m
 
 
-@pytest.mark.skipif(not (NATIVE and kernels.avx512()), reason="no AVX-512 loop here (the AVX2 one is tested above)")
+@pytest.mark.skipif(not dispatch.backends().avx512, reason="no AVX-512 loop here (the AVX2 one is tested above)")
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_the_avx512_loop_is_the_avx2_loop_to_the_bit(name):
     """Two weight rows per zmm, each half the AVX2 chain: equal at every tile shape (odd N leaves
     a pair half-empty; 1, 2, 3 and 4 input rows take each tile, and past 3 rows the dequantised
     tile's rows come 8 at a time, then 1-7)."""
-    lib = kernels._load()[0]
     k = _cols(name, 224)
     blocks, _ = _blocks(name, 21, k, seed=2)
     bias = torch.randn(21)
@@ -109,12 +108,12 @@ def test_the_avx512_loop_is_the_avx2_loop_to_the_bit(name):
         for m in (1, 2, 3, 4, 7, 8, 13, 50):
             x = torch.randn(m, k)
             wide = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
-            lib.kvlab_set_avx512(0)
+            kernels.set_avx512(False)
             narrow = kernels.linear_q(x, blocks, FORMATS[name].code, bias)
-            lib.kvlab_set_avx512(1)
+            assert kernels.set_avx512(True)
             assert torch.equal(wide, narrow), m
     finally:
-        lib.kvlab_set_avx512(1)
+        kernels.set_avx512(True)
 
 
 def test_an_embedding_reads_its_rows_exactly():

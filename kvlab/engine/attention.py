@@ -318,7 +318,8 @@ class PagedAttention:
         caches = []
         for layer_idx, heads in layers:
             plain = self.cache.plain(layer_idx)
-            if plain is None or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain):
+            if (not self.cache.native or plain is None
+                    or not kernels.attention_fits(dtype, heads, plain[0].shape[-1], *plain)):
                 return None
             caches.append(plain)
         return kernels.CacheLayout(caches, [self.cache.group_of[i] for i, _ in layers])
@@ -336,7 +337,7 @@ class PagedAttention:
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plain = self.cache.plain(layer_idx)
-        native = plain is not None and kernels.attention_usable(q, *plain)
+        native = self.cache.native and plain is not None and kernels.attention_usable(q, *plain)
         step = self._step(self.cache.group_of[layer_idx], native)
         self.cache.write(layer_idx, k, v, step.slot_mapping)
         r = step.rowwise

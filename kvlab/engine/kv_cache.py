@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.dtypes import kv_dtype as lookup_kv_dtype
 from kvlab.engine.kv_manager import BlockCopies
 from kvlab.layout import LayerGroup
@@ -62,6 +62,7 @@ class PagedKVCache:
         self.groups = groups
         self.group_of: dict[int, int] = {i: g for g, grp in enumerate(groups) for i in grp.layers}
         self.quantised = self.format.name.startswith("fp8") or self.format.name == "int8"
+        self.native = bool(dispatch.backends().native)  # kvlab's kernels write (and read) it
         # per layer: the tensors indexed by block (K, V, and for int8 their scales)
         self.blocks: dict[int, list[Tensor]] = {}
         self.scales: dict[int, Tensor] = {}  # fp8: [2] fp32 (K scale, V scale)
@@ -114,7 +115,7 @@ class PagedKVCache:
         """Store new tokens' K/V [T, kv_heads, D] at slots [T]."""
         tensors = self.blocks[layer]
         plain = self.plain(layer)
-        if plain is not None and kernels.rowwise_usable(k, v) and kernels.rowwise_usable(*plain):
+        if self.native and plain is not None and kernels.rowwise_usable(k, v) and kernels.rowwise_usable(*plain):
             kernels.store_kv(k, v, _rows(plain[0]), _rows(plain[1]), slots)  # one call, no copies
             return
         for j, x in enumerate((k, v)):

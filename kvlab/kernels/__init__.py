@@ -26,9 +26,11 @@ Their loops run on kvlab's own thread pool (``pool.c``, ``torch.get_num_threads(
 whose caller never waits for a thread that is not running: a decode step keeps its pace beside
 other busy processes, where OpenMP's barriers stalled it (``benchmarks/stored_weights.py``).
 
-It needs an x86 CPU with AVX2 and FMA and a C compiler (``$CC``, ``cc`` or ``gcc``). The library is cached under ``~/.cache/kvlab`` by a hash of the source and flags.
-``KVLAB_KERNELS=off`` turns it off (to compare, or to rule it out; ``kvlab.dispatch`` reads every
-such switch). ``python -m kvlab.kernels`` builds it and says which paths run.
+It needs an x86 CPU with AVX2 and FMA and a C compiler (``$CC``, ``cc`` or ``gcc``). The library
+is cached under ``~/.cache/kvlab`` by a hash of the source and flags. This package only builds and
+runs the kernels: whether kvlab uses them is ``kvlab.dispatch``'s decision, which reads the
+``KVLAB_*`` switches (``KVLAB_KERNELS=off``: never, to compare or to rule them out).
+``python -m kvlab.kernels`` builds it and says which paths run.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,6 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from kvlab import dispatch
 from kvlab.hardware import CACHE_DIR
 from kvlab.kernels import binding
 
@@ -73,13 +73,11 @@ MAX_ROWS = 64
 class Status:
     available: bool
     detail: str  # the library's path, or why PyTorch's matmul runs instead
-    avx512: bool = False  # the block formats' AVX-512 loops run (kvlab_set_avx512)
+    avx512: bool = False  # this CPU can run the block formats' AVX-512 loops (``set_avx512``)
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, Status]:
-    if dispatch.switched_off("KVLAB_KERNELS"):
-        return None, Status(False, "off (KVLAB_KERNELS=off)")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, Status(False, f"no kernel for {platform.machine()} (x86 AVX2 only)")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -109,7 +107,8 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     except OSError as e:
         return None, Status(False, f"cannot build or load {path}: {e}")
     binding.bind(lib, binding.read(HEADER))
-    wide = bool(lib.kvlab_set_avx512(int(not dispatch.switched_off("KVLAB_AVX512"))))
+    wide = bool(lib.kvlab_set_avx512(1))  # this CPU has the loops; they stay off until asked for
+    lib.kvlab_set_avx512(0)
     return lib, Status(True, str(path), wide)
 
 
@@ -124,49 +123,13 @@ def status() -> Status:
     return _load()[1]
 
 
-def avx512() -> bool:
-    """Do the block formats' AVX-512 loops run (the CPU has AVX-512 F and DQ, ``KVLAB_AVX512`` is
-    not off)? Their results are bitwise the AVX2 loops': only the speed differs."""
-    return status().avx512
-
-
-def max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the native kernel runs by default: fp32 up to ``MAX_ROWS``; bf16 always,
-    unless oneDNN has bf16 kernels here (its packed weights are then the measured path)."""
-    if dtype == torch.bfloat16 and not dispatch.onednn_bf16():
-        return sys.maxsize
-    return MAX_ROWS
-
-
-def describe(dtype: torch.dtype, deterministic: bool) -> str:
-    """One line for reports: which kernel runs a model's linear layers in this dtype."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return "PyTorch's matmul (the native kernel takes fp32 and bf16)"
-    s = status()
-    if not s.available:
-        return f"PyTorch's matmul: {s.detail}"
-    rows = sys.maxsize if deterministic else max_rows(dtype)
-    if rows == sys.maxsize:
-        return "kvlab's AVX2 kernel for every row count"
-    if dtype == torch.bfloat16:  # the engine packs bf16 weights where oneDNN has bf16 kernels
-        return (f"oneDNN's packed bf16 matmul in the paged engine; elsewhere kvlab's AVX2 kernel "
-                f"for up to {rows} rows, oneDNN above")
-    return f"kvlab's AVX2 kernel for up to {rows} rows, MKL's sgemm above"
-
-
-def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Can ``linear`` compute F.linear(x, weight, bias) here: all fp32 or all bf16 on CPU, 2-D
-    contiguous operands, no autograd."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.device.type != "cpu":
-        return False
-    if x.dim() != 2 or x.shape[1] != weight.shape[1] or not x.is_contiguous() or not weight.is_contiguous():
-        return False  # (a shape mismatch: F.linear's own error)
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()
-                             or bias.shape != weight.shape[:1]):
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
-    return _load()[0] is not None
+def set_avx512(on: bool) -> bool:
+    """Run the block formats' AVX-512 loops (``on``, where the CPU has AVX-512 F and DQ) or the
+    AVX2 ones; their results are bitwise the same, only the speed differs. Returns whether the
+    AVX-512 loops now run. Off until ``kvlab.dispatch`` turns them on."""
+    lib = _load()[0]
+    assert lib is not None
+    return bool(lib.kvlab_set_avx512(int(on)))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:

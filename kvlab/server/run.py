@@ -60,8 +60,7 @@ def build_bridge(model: ModelOptions, options: EngineOptions | None = None, *,
     loaded = load_options(model, options.tp)
     logger = logging.getLogger("kvlab.server")
     logger.info("%s in %s; weights %s", loaded.model.name, loaded.dtype, loaded.weights)
-    logger.info("CPU paths: %s", "; ".join(f"{f.switch} {'on' if f else 'off'} ({f.why})"
-                                           for f in dispatch.report()))
+    logger.info("CPU paths: %s", dispatch.backends().line())
     llm = LLM(loaded.model, tokenizer=loaded.tokenizer, device=model.device, **asdict(options))
     return EngineBridge(llm.engine, served_model_name or loaded.model.name, loaded.chat_template)
 
