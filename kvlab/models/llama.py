@@ -16,6 +16,7 @@ to the attention backend (see ``attention.py``), so the paged engine reuses this
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import sys
@@ -519,6 +520,19 @@ class CausalLM(nn.Module):
         out = super()._apply(fn, recurse)
         self._choose_again()
         return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "CausalLM":
+        """A copy (a tensor-parallel shard is cut from one) chooses again from its own tensors:
+        the native stacks hold raw pointers into this model's, which cannot be copied."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        stacks, self._stacks = self._stacks, {}
+        try:
+            copied.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        finally:
+            self._stacks = stacks
+        copied._choose_again()
+        return copied
 
     def _choose_again(self) -> None:
         if self._use is not None:
