@@ -12,8 +12,8 @@ _IMPORTED = time.perf_counter()  # the first command's start-up counts its impor
 _started: list[float] = []  # when each call of main() began; the first one: at _IMPORTED
 
 from kvlab.eviction import POLICIES
-from kvlab.options import (add_engine_args, add_model_args, byte_size, check_torchrun_tp, positive_int,
-                           torchrun_rank)
+from kvlab.options import (EngineOptions, add_engine_args, add_model_args, byte_size, check_torchrun_tp,
+                           positive_int, torchrun_rank)
 
 if TYPE_CHECKING:
     from kvlab.plan.engines.llamacpp import LlamaCppSettings
@@ -157,15 +157,15 @@ def _int_arg(text: str) -> int:
 RUNNERS = ("auto", "loop", "engine")
 
 
-def generate_runner(runner: str, tp: int, deterministic: bool | None, no_cache: bool) -> str:
+def generate_runner(runner: str, engine: EngineOptions, no_cache: bool) -> str:
     """Which runner ``kvlab generate`` uses, "loop" or "engine", decided here only: auto takes the
-    engine when --tp > 1 or --deterministic asks for it (only the engine has either), else the
-    loop. UsageError (one line) for a combination neither runner can honour."""
-    wants_engine = tp > 1 or deterministic is True
+    engine when --tp > 1, --deterministic or a --kv-offload-* tier asks for it (only the engine
+    has them), else the loop. UsageError (one line) for a combination neither runner can honour."""
+    wants_engine = engine.tp > 1 or engine.deterministic is True or engine.offloads
     chosen = ("engine" if wants_engine else "loop") if runner == "auto" else runner
     if chosen == "loop" and wants_engine:
-        raise UsageError("kvlab generate: --runner loop runs one process on the fast kernels; --tp and "
-                         "--deterministic need --runner engine")
+        raise UsageError("kvlab generate: --runner loop runs one process on the fast kernels; --tp, "
+                         "--deterministic and --kv-offload-* need --runner engine")
     if chosen == "engine" and no_cache:
         raise UsageError("kvlab generate: the paged engine always keeps a cache; drop --no-cache "
                          "(or --runner loop)")
@@ -181,7 +181,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    runner = generate_runner(args.runner, args.tp, args.deterministic, args.no_cache)
+    engine = EngineOptions.from_args(args)
+    runner = generate_runner(args.runner, engine, args.no_cache)
     loaded = load_options(ModelOptions.from_args(args), args.tp)
     tok = loaded.tokenizer
     if tok.is_fallback:
@@ -192,8 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tok.encode(args.prompt)
     if runner == "engine":
-        result = _generate_engine(loaded.model, tok, prompt_ids, params, args.tp, args.deterministic,
-                                  args.device, args.json)
+        result = _generate_engine(loaded.model, tok, prompt_ids, params, engine, args.device, args.json)
     else:
         gen = Generation(loaded.model, prompt_ids, params, tok, use_cache=not args.no_cache)
         load_s = time.perf_counter() - _started[-1]
@@ -216,22 +216,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, deterministic: bool | None,
+def _generate_engine(model, tokenizer, prompt_ids: list[int], params, engine: EngineOptions,
                      device: str, quiet: bool):
-    """One prompt through the paged engine (on `tp` worker processes; in deterministic mode,
+    """One prompt through the paged engine (on --tp worker processes; in deterministic mode,
     with the batch-invariant kernels, so the answer is the one a --deterministic server gives
-    under any load), with a cache of just the blocks it needs; the same figures as the plain
-    loop's, the KV bytes being one rank's."""
+    under any load; with the --kv-offload-* tiers, so a second run reads the prompt's K/V back),
+    with a cache of just the blocks it needs; the same figures as the plain loop's, the KV bytes
+    being one rank's, and where the prompt's K/V came from."""
+    from dataclasses import asdict, replace
+
     from kvlab.engine.llm import LLM
     from kvlab.layout import cdiv
     from kvlab.generate import GenerationResult, check_length
 
     check_length(model, len(prompt_ids), params.max_tokens)
     total = len(prompt_ids) + params.max_tokens
-    per_token = model.spec.tp_shard(tp).kv_bytes_per_token(
+    per_token = model.spec.tp_shard(engine.tp).kv_bytes_per_token(
         {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(model.dtype), "bf16"))
-    llm = LLM(model, tokenizer=tokenizer, device=device, tp=tp, max_model_len=total,
-              kv_memory=cdiv(total, 16) * 16 * per_token, deterministic=deterministic)
+    sized = replace(engine, max_model_len=total,
+                    kv_memory=cdiv(total, engine.block_size) * engine.block_size * per_token)
+    llm = LLM(model, tokenizer=tokenizer, device=device, **asdict(sized))
     try:
         start = time.perf_counter()
         out = first = None
@@ -244,9 +248,12 @@ def _generate_engine(model, tokenizer, prompt_ids: list[int], params, tp: int, d
         llm.close()
     assert out is not None and first is not None
     new = len(out.token_ids)
+    tiers = sum(out.tier_tokens.values())
+    came = {"pool": out.num_cached_tokens - tiers, "ram": out.tier_tokens.get("ram", 0),
+            "disk": out.tier_tokens.get("disk", 0), "computed": len(prompt_ids) - out.num_cached_tokens}
     return GenerationResult(out.text, out.token_ids, out.finish_reason, len(prompt_ids), new, first - start,
                             (new - 1) / (end - first) if new > 1 else 0.0, end - start,
-                            llm.capacity.bytes, True, load_s=start - _started[-1])
+                            llm.capacity.bytes, True, load_s=start - _started[-1], prompt_tokens_from=came)
 
 
 # --- measure -----------------------------------------------------------------------------------
@@ -310,7 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvlab import dispatch
     from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, run_engine, run_hf
     from kvlab.models import load_options
-    from kvlab.options import EngineOptions, ModelOptions
+    from kvlab.options import ModelOptions
 
     options = EngineOptions.from_args(args)
     work = Workload(args.num_requests, args.input_len, args.output_len, args.shared_prefix, args.seed or 0)
@@ -481,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "paged engine, as a server runs it; auto (default): the engine when --tp > 1 or "
                    "--deterministic asks for it, else the loop")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
-    add_engine_args(p, only=("deterministic", "tp"))
+    add_engine_args(p, only=("deterministic", "tp", "kv_offload_ram", "kv_offload_dir", "kv_offload_disk"))
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("measure", help="check the KV formula against the runtime's tensors and allocations")

@@ -49,6 +49,8 @@ class GenerationResult:
     kv_bytes: int  # bytes of the cache tensors held (0 without a cache)
     use_cache: bool
     load_s: float | None = None  # a command's start-up before the first step (imports, model, tokenizer)
+    # the paged engine's: prompt tokens whose K/V came from the pool, each prefix tier, or were computed
+    prompt_tokens_from: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -58,7 +60,9 @@ class GenerationResult:
         tps = f"{self.decode_tokens_per_s:.1f} tok/s" if self.new_tokens > 1 else "- tok/s"
         kv = f"KV {self.kv_bytes:,} B held" if self.use_cache else "no KV cache (recomputed)"
         load = f"load {self.load_s:.1f} s, " if self.load_s is not None else ""
-        return (f"prompt {self.prompt_tokens} tok, new {self.new_tokens} tok, "
+        cached = {k: n for k, n in (self.prompt_tokens_from or {}).items() if k != "computed" and n}
+        came = f" ({', '.join(f'{n} from {k}' for k, n in cached.items())})" if cached else ""
+        return (f"prompt {self.prompt_tokens} tok{came}, new {self.new_tokens} tok, "
                 f"TTFT {self.ttft_s * 1000:.0f} ms, {tps}, {load}total {self.total_s:.2f} s, {kv}")
 
 

@@ -146,6 +146,15 @@ class EngineOptions:
     prefix_caching: bool = _opt(True, "turn prefix caching off (on by default: full blocks of "
                                 "earlier requests are kept and reused)",
                                 flag="--no-prefix-caching", action="store_false")
+    kv_offload_ram: int | None = _opt(
+        None, "prefix cache tier in host RAM, e.g. 4GiB: full blocks that leave the pool are kept "
+        "there and loaded back on a prefix hit (default: off)", type=byte_size, metavar="BYTES")
+    kv_offload_dir: str | None = _opt(
+        None, "prefix cache tier on disk, in this directory: full blocks are written there as they "
+        "are computed and survive a restart; processes may share it (default: off)", metavar="DIR")
+    kv_offload_disk: int | None = _opt(
+        None, "bytes the --kv-offload-dir tier may take (default: half the free space, at most "
+        "10 GiB)", type=byte_size, metavar="BYTES")
     kv_policy: str = _opt("full", "token eviction: full (none), window, streaming (sinks + window), "
                           "h2o (heavy hitters + window), snapkv (prompt votes + window)",
                           choices=POLICIES)
@@ -165,10 +174,11 @@ class EngineOptions:
                              "as hung (default 300)", type=_seconds, metavar="SECONDS")
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv_memory, str):
-            object.__setattr__(self, "kv_memory", parse_bytes(self.kv_memory))
+        for name in ("kv_memory", "kv_offload_ram", "kv_offload_disk"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, parse_bytes(getattr(self, name)))
         positive = ("block_size", "kv_memory", "max_model_len", "max_num_seqs",
-                    "max_num_batched_tokens", "tp")
+                    "max_num_batched_tokens", "tp", "kv_offload_ram", "kv_offload_disk")
         for name in positive:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -186,6 +196,18 @@ class EngineOptions:
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption!r}")
+        if self.kv_offload_disk is not None and self.kv_offload_dir is None:
+            raise ValueError("--kv-offload-disk is the budget of the --kv-offload-dir tier: give the directory")
+        if self.offloads and not self.prefix_caching:
+            raise ValueError("the --kv-offload-* tiers hold prefix-cache blocks: drop --no-prefix-caching")
+        if self.offloads and self.tp > 1:
+            raise ValueError("the --kv-offload-* tiers run at --tp 1 (a rank's blocks are its shard); "
+                             "drop one of the two")
+
+    @property
+    def offloads(self) -> bool:
+        """Some prefix tier beyond the pool is on (--kv-offload-ram / --kv-offload-dir)."""
+        return bool(self.kv_offload_ram) or self.kv_offload_dir is not None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:

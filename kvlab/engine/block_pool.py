@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -35,8 +35,12 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
 class BlockPool:
     """Allocates block ids of one pool and tracks who references them."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int,
+                 on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None) -> None:
+        """``on_evict`` hears of every cached block that an allocation takes, as (block, hash)
+        pairs, while the block still holds its K/V (the prefix tiers copy it out then)."""
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self.ref_cnt = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
@@ -73,16 +77,21 @@ class BlockPool:
         """n blocks with reference count 1: plain free blocks first, then evict cached ones (LRU)."""
         if n > self.num_available:
             raise RuntimeError(f"allocate({n}) with {self.num_available} blocks available")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._cached.popitem(last=False)
-                del self._by_hash[self.hash_of[block]]  # type: ignore[arg-type]
+                block_hash = self.hash_of[block]
+                assert block_hash is not None
+                del self._by_hash[block_hash]
                 self.hash_of[block] = None
+                evicted.append((block, block_hash))
             self.ref_cnt[block] = 1
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def touch(self, blocks: Iterable[int]) -> None:
@@ -105,9 +114,12 @@ class BlockPool:
                 else:
                     self._cached[block] = None
 
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Make a full, computed block findable. A prefix already cached elsewhere keeps its block
-        (this one then stays private and becomes plainly free when released)."""
+    def cache(self, block: int, block_hash: bytes) -> bool:
+        """Make a full, computed block findable; True if it now is. A prefix already cached
+        elsewhere keeps its block (this one then stays private and becomes plainly free when
+        released)."""
         if self.hash_of[block] is None and block_hash not in self._by_hash:
             self.hash_of[block] = block_hash
             self._by_hash[block_hash] = block
+            return True
+        return False

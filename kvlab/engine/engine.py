@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,8 @@ from kvlab.engine.output import OutputProcessor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
+from kvlab.engine.tiers import (DiskTier, RamTier, TierChain, TierStats, default_disk_budget,
+                                file_digest, fingerprint)
 from kvlab.eviction import EvictionPolicy, make_policy
 from kvlab.hardware import system_memory
 from kvlab.layout import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
@@ -49,8 +52,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # stop | length | abort | error
     ttft_s: float | None  # from add_request to the first token
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (pool and tiers)
     num_preemptions: int
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, each tier's ("ram", "disk")
     error: str | None = None  # why, when finish_reason is "error"
     # with params.logprobs: one per generated token so far (a list that grows with the request)
     logprobs: list[TokenLogprob] | None = None
@@ -70,7 +74,8 @@ class EngineMetrics:
     kv_blocks_total: int
     kv_usage: float  # used / total
     prefix_cache_queries: int  # prompt tokens looked up (first admissions)
-    prefix_cache_hits: int  # of which served from the cache
+    prefix_cache_hits: int  # of which served from the cache (pool and tiers)
+    tier_hits: int  # of which loaded from a prefix tier behind the pool
     preemptions: int
     swapped_out_blocks: int
     swapped_in_blocks: int
@@ -81,6 +86,7 @@ class EngineMetrics:
     running: int
     waiting: int
     swapped: int
+    tiers: list[TierStats] = field(default_factory=list)  # the prefix tiers behind the pool
 
 
 @dataclass
@@ -197,8 +203,10 @@ class LLMEngine:
             raise
         # the cache tensors, when they live in this process (tp=1)
         self.cache: PagedKVCache | None = self.executor.cache
+        self.tiers = self._prefix_tiers(options, kv_dtype, groups)
         self.kv = KVCacheManager(groups, blocks, options.block_size, options.prefix_caching,
-                                 num_host_blocks=blocks if swap else 0)
+                                 num_host_blocks=blocks if swap else 0, tiers=self.tiers,
+                                 read_blocks=self.cache.block_bytes if self.cache is not None else None)
         self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
                                    max_model_len, swap, self.eviction,
                                    options.max_num_batched_tokens if options.deterministic else None)
@@ -217,6 +225,47 @@ class LLMEngine:
         log.info("deterministic mode: %s (%s)", "on" if options.deterministic else "off",
                  self.deterministic_why)
 
+    def _prefix_tiers(self, options: EngineOptions, kv_dtype: str,
+                      groups: list[LayerGroup]) -> TierChain | None:
+        """The RAM and disk tiers behind the pool, as --kv-offload-* say (None: neither)."""
+        if not options.offloads:
+            return None
+        assert self.cache is not None  # tp 1: EngineOptions refuses the tiers at --tp > 1
+        ram = RamTier(options.kv_offload_ram) if options.kv_offload_ram else None
+        disk = None
+        if options.kv_offload_dir is not None:
+            root = Path(options.kv_offload_dir)
+            budget = options.kv_offload_disk or default_disk_budget(root)
+            disk = DiskTier(root, budget, self.block_fingerprint(kv_dtype, groups, root))
+        log.info("prefix tiers: %s", ", ".join(
+            f"{t.stats.name} {fmt_bytes(t.stats.budget)}" + (f" in {t.root} ({fmt_bytes(t.stats.used)} "
+                                                               f"there)" if isinstance(t, DiskTier) else "")
+            for t in (ram, disk) if t is not None))
+        return TierChain(ram, disk)
+
+    def block_fingerprint(self, kv_dtype: str, groups: list[LayerGroup], root: Path) -> bytes:
+        """What shapes a block's bytes, hashed: the weights (their files' contents, hashed once
+        and remembered in ``root``), the config, dtypes, block size, layer groups, the rank, the
+        fp8 scales and the kernels that compute K/V (their CPU paths, threads, deterministic mode)."""
+        model, cache = self.model, self.cache
+        assert cache is not None
+        source = model.source
+        if source is None:
+            raise ValueError("the --kv-offload-* tiers name blocks by the model's weights: load the "
+                             "model with kvlab.models.load (or build_model) so its source is known")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # the disk tier says why, once
+        weights = file_digest(source.files, root / "digests.json") if source.files else source.random
+        return fingerprint({
+            "weights": weights, "stored": list(source.stored), "config": model.spec.config,
+            "dtype": str(model.dtype), "kv_dtype": kv_dtype, "block_size": self.options.block_size,
+            "groups": [[list(g.layers), g.window] for g in groups], "tp": [1, 0],
+            "fp8_scales": {layer: s.tolist() for layer, s in sorted(cache.scales.items())},
+            "cpu_paths": dispatch.backends().line(), "threads": torch.get_num_threads(),
+            "deterministic": bool(self.options.deterministic)})
+
     def _check_deterministic(self, options: EngineOptions) -> None:
         """Deterministic mode's one-line errors for what cannot honour it (the kernels' own
         check runs in ``CausalLM.use``)."""
@@ -228,7 +277,10 @@ class LLMEngine:
                              f"sequence would evict again from scratch; use --preemption swap-ram")
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op at tp=1); the engine cannot step after."""
+        """Write what the disk tier has queued; stop the tensor-parallel workers. The engine
+        cannot step after."""
+        if self.tiers is not None:
+            self.tiers.close()
         self.executor.close()
 
     # --- requests -------------------------------------------------------------------------------
@@ -319,6 +371,10 @@ class LLMEngine:
             self.kv.swapped_out_blocks -= sum(map(len, out.swap_out))  # they never reached the host pool
             log.warning("swap-out failed (%s): %d preempted request(s) will recompute", e, len(victims))
         self.executor.swap_in(out.swap_in)
+        for group, loads in enumerate(out.loads):  # prefix-tier hits, into their fresh blocks
+            if loads:
+                assert self.cache is not None
+                self.cache.put_block_bytes(group, [b for b, _ in loads], torch.stack([d for _, d in loads]))
 
     def _score_prompts(self, rows: dict[str, tuple[int, torch.Tensor]]) -> None:
         """Prompt logprobs from the rows the runner computed for them (a chunked prefill brings
@@ -362,6 +418,7 @@ class LLMEngine:
             token_ids=seq.output_ids, text=req.output.text, new_token_ids=new, new_text=delta,
             finished=finish is not None, finish_reason=finish, ttft_s=req.ttft_s,
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            tier_tokens=dict(seq.tier_tokens),
             logprobs=req.logprobs if req.params.logprobs is not None else None,
             prompt_logprobs=req.prompt_logprobs)
 
@@ -390,9 +447,9 @@ class LLMEngine:
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks * len(kv.pools),
             kv_blocks_cached=sum(pool.num_cached for pool in kv.pools),
             kv_usage=kv.usage, prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits, preemptions=s.num_preemptions,
+            prefix_cache_hits=s.prefix_hits, tier_hits=s.tier_hits, preemptions=s.num_preemptions,
             swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
             swap_fallbacks=self.swap_fallbacks, evicted_blocks=s.num_evicted_blocks,
             evicted_tokens=s.num_evicted_tokens, kv_saturated_values=self.executor.saturated,
             running=len(s.running), waiting=s.num_waiting,
-            swapped=s.num_swapped)
+            swapped=s.num_swapped, tiers=[replace(t.stats) for t in self.tiers.tiers] if self.tiers else [])

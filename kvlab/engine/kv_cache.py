@@ -58,6 +58,7 @@ class PagedKVCache:
         if self.format.name not in STORAGE:
             raise ValueError(f"the engine stores KV as {', '.join(STORAGE)}; not {self.format.name}")
         self.storage = STORAGE[self.format.name]
+        self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.groups = groups
         self.group_of: dict[int, int] = {i: g for g, grp in enumerate(groups) for i in grp.layers}
@@ -161,6 +162,30 @@ class PagedKVCache:
                 x = x.float() * self.scales[layer][j]
             out.append(x.to(dtype))
         return out[0], out[1]
+
+    # --- whole blocks as bytes (the prefix tiers) ------------------------------------------------
+    def block_bytes(self, group: int, blocks: list[int]) -> Tensor:
+        """[n, bytes] uint8 on the CPU: each block's bytes in every tensor of the group's layers
+        (K, V and int8's scales, as stored), in one fixed order: what a prefix tier keeps."""
+        index = torch.tensor(blocks, device=self.device)
+        parts = [t.view(torch.uint8).index_select(1, index).transpose(0, 1).reshape(len(blocks), -1)
+                 for layer in self.groups[group].layers for t in self.blocks[layer]]
+        return torch.cat(parts, dim=1).cpu()
+
+    def put_block_bytes(self, group: int, blocks: list[int], data: Tensor) -> None:
+        """Write ``block_bytes``' rows back into these blocks (one copy per tensor for the run)."""
+        index = torch.tensor(blocks, device=self.device)
+        data = data.to(self.device)
+        offset = 0
+        for layer in self.groups[group].layers:
+            for t in self.blocks[layer]:
+                raw = t.view(torch.uint8)  # [kv_heads, num_blocks, block_size, row bytes]
+                width = raw[:, 0].numel()
+                part = data[:, offset:offset + width].view(len(blocks), raw.shape[0], *raw.shape[2:])
+                raw.index_copy_(1, index, part.transpose(0, 1))
+                offset += width
+        if offset != data.shape[1]:
+            raise ValueError(f"a tier block of {data.shape[1]} B for blocks of {offset} B")
 
     # --- swapping ------------------------------------------------------------------------------
     def attach_host_pool(self, num_blocks: int, where: Literal["ram", "disk"]) -> None:

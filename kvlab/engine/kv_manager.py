@@ -1,42 +1,67 @@
-"""Block tables of every sequence across the layer groups: allocation, prefix hits, sliding
-windows giving blocks back, and the host pool that swapped-out blocks move to.
+"""Block tables of every sequence across the layer groups: allocation, prefix hits (in the pool
+and in the tiers behind it), sliding windows giving blocks back, and the host pool that
+swapped-out blocks move to.
 
 The scheduler asks it questions (does this chunk fit? how much of this prompt is cached?) and
-gets answers as block ids; the runner turns the block ids into tensors. Still no tensors here.
+gets answers as block ids; the runner turns the block ids into tensors. The only bytes that pass
+through here are the prefix tiers' (``kvlab.engine.tiers``): a block leaving the pool is read
+out through ``read_blocks`` at once, while it still holds its K/V, and blocks loaded from a tier
+wait in ``take_loads()`` for the engine to write them before the step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from torch import Tensor
 
 from kvlab.engine.block_pool import BlockPool
 from kvlab.engine.sequence import NULL_BLOCK, Sequence
+from kvlab.engine.tiers import Key, TierChain, tier_key
 from kvlab.layout import LayerGroup, cdiv
 
 # (source block, destination block) copies per layer group, to run before the step's forward pass
 BlockCopies = list[list[tuple[int, int]]]
+# (block, its bytes) per layer group: blocks a prefix tier fills, before the step's forward pass
+BlockLoads = list[list[tuple[int, Tensor]]]
+# a prefix hit's table entry for a block that a tier holds (a fresh pool block once allocated)
+TIER_BLOCK = -2
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     """Leading tokens whose K/V are already cached, and the block-table prefix (per group) holding
-    them. Sliding groups hold only the blocks the window still needs (NULL_BLOCK before)."""
+    them. Sliding groups hold only the blocks the window still needs (NULL_BLOCK before); a block
+    a prefix tier holds is TIER_BLOCK."""
 
     tokens: int
     tables: list[list[int]]
+
+    @property
+    def from_tiers(self) -> bool:
+        return any(TIER_BLOCK in t for t in self.tables)
 
 
 class KVCacheManager:
     """One BlockPool per layer group (all the same size) plus a host pool for swapping."""
 
     def __init__(self, groups: list[LayerGroup], num_blocks: int, block_size: int,
-                 prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
+                 prefix_caching: bool = True, num_host_blocks: int = 0, tiers: TierChain | None = None,
+                 read_blocks: Callable[[int, list[int]], Tensor] | None = None) -> None:
+        """``tiers``: the prefix tiers behind the pools, with ``read_blocks(group, blocks)`` giving
+        those blocks' bytes ([n, block bytes] uint8) for them to keep."""
         self.groups = groups
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
-        self.pools = [BlockPool(num_blocks) for _ in groups]
+        self.tiers = tiers if prefix_caching else None
+        self.read_blocks = read_blocks
+        self.pools = [BlockPool(num_blocks, self._evicted(gi) if self.tiers is not None else None)
+                      for gi in range(len(groups))]
+        self._staged: dict[Key, tuple[str, Tensor]] = {}  # tier blocks read for the queue's head
+        self._loads: BlockLoads = [[] for _ in groups]
         self.num_host_blocks = num_host_blocks
         self.host_free = [deque(range(num_host_blocks)) for _ in groups]
         self.swapped_out_blocks = 0
@@ -75,26 +100,51 @@ class KVCacheManager:
             return none
         n = (seq.num_tokens - 1) // bs
         hashes = seq.block_hashes(n, bs)
-        for g, pool in zip(self.groups, self.pools):
+        for gi, g in enumerate(self.groups):
             if g.window is None:
                 k = 0
-                while k < n and pool.lookup(hashes[k]) is not None:
+                while k < n and self._where(gi, hashes[k]) is not None:
                     k += 1
                 n = k
         # sliding groups: only the blocks inside the window at the hit's end must be cached
         while n > 0 and not all(
-            all(pool.lookup(h) is not None for h in hashes[self._first_needed_block(g, n * bs):n])
-            for g, pool in zip(self.groups, self.pools) if g.window is not None
+            all(self._where(gi, h) is not None for h in hashes[self._first_needed_block(g, n * bs):n])
+            for gi, g in enumerate(self.groups) if g.window is not None
         ):
             n -= 1
         if n == 0:
             return none
         tables = []
-        for g, pool in zip(self.groups, self.pools):
+        for gi, g in enumerate(self.groups):
             first = self._first_needed_block(g, n * bs)
-            cached = [pool.lookup(h) for h in hashes[first:n]]
-            tables.append([NULL_BLOCK] * first + cached)  # type: ignore[operator]
+            tables.append([NULL_BLOCK] * first + [self._where(gi, h) for h in hashes[first:n]])  # type: ignore[misc]
         return PrefixHit(n * bs, tables)
+
+    def _where(self, group: int, block_hash: bytes) -> int | None:
+        """The pool block holding this block hash, TIER_BLOCK if only a tier holds it, else None."""
+        block = self.pools[group].lookup(block_hash)
+        if block is not None:
+            return block
+        key = tier_key(group, block_hash)
+        if self.tiers is not None and (key in self._staged or self.tiers.where(key) is not None):
+            return TIER_BLOCK
+        return None
+
+    def fetch(self, seq: Sequence, hit: PrefixHit) -> PrefixHit:
+        """Read the hit's tier blocks (kept for this sequence until it is admitted, so a queue
+        head waiting for room reads them once). A block a tier fails to give (a corrupt file,
+        one deleted meanwhile) is missing from then on: the hit is looked up again, shorter."""
+        assert self.tiers is not None
+        hashes = seq.block_hashes(hit.tokens // self.block_size, self.block_size)
+        for gi, table in enumerate(hit.tables):
+            for i, block in enumerate(table):
+                key = tier_key(gi, hashes[i])
+                if block == TIER_BLOCK and key not in self._staged:
+                    got = self.tiers.fetch(key)
+                    if got is None:
+                        return self.fetch(seq, self.find_prefix(seq))
+                    self._staged[key] = got
+        return hit
 
     def cache_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache (never once the
@@ -105,11 +155,28 @@ class KVCacheManager:
         if n <= seq.num_hashed_blocks:
             return
         hashes = seq.block_hashes(n, self.block_size)
-        for pool, table in zip(self.pools, seq.block_tables):
-            for i in range(seq.num_hashed_blocks, n):
-                if table[i] != NULL_BLOCK:
-                    pool.cache(table[i], hashes[i])
+        writes = self.tiers is not None and self.tiers.writes_computed
+        for gi, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
+            new = [(table[i], hashes[i]) for i in range(seq.num_hashed_blocks, n)
+                   if table[i] != NULL_BLOCK and pool.cache(table[i], hashes[i])]
+            if writes and new:
+                self._to_tier(gi, new, self.tiers.computed)  # type: ignore[union-attr]
         seq.num_hashed_blocks = n
+
+    def _evicted(self, group: int) -> Callable[[list[tuple[int, bytes]]], None]:
+        """The pool's on_evict: what leaves the pool goes to the tiers, read out at once."""
+        def leave(blocks: list[tuple[int, bytes]]) -> None:
+            assert self.tiers is not None
+            if self.tiers.ram is not None:
+                self._to_tier(group, blocks, self.tiers.leaving_pool)
+        return leave
+
+    def _to_tier(self, group: int, blocks: list[tuple[int, bytes]],
+                 take: Callable[[Key, Tensor], None]) -> None:
+        assert self.read_blocks is not None
+        data = self.read_blocks(group, [b for b, _ in blocks])
+        for (_, block_hash), row in zip(blocks, data):
+            take(tier_key(group, block_hash), row.clone())  # its own bytes, not a view of the batch
 
     # --- allocation -----------------------------------------------------------------------------
     def free_outside_window(self, seq: Sequence) -> None:
@@ -145,7 +212,7 @@ class KVCacheManager:
         for gi, pool in enumerate(self.pools):
             if hit is not None:
                 table = hit.tables[gi]
-                revived = sum(1 for b in table if b != NULL_BLOCK and pool.ref_cnt[b] == 0)
+                revived = sum(1 for b in table if b == TIER_BLOCK or b >= 0 and pool.ref_cnt[b] == 0)
             elif seq.host_tables:
                 table = seq.host_tables[gi]
                 revived = sum(1 for b in table if b != NULL_BLOCK)  # swapped blocks come back
@@ -168,7 +235,9 @@ class KVCacheManager:
         if hit is not None:
             seq.block_tables = [list(t) for t in hit.tables]
             for pool, table in zip(self.pools, seq.block_tables):
-                pool.touch(b for b in table if b != NULL_BLOCK)
+                pool.touch(b for b in table if b >= 0)
+            if hit.from_tiers:
+                self._load(seq, hit)
             seq.num_computed_tokens = hit.tokens
             seq.num_hashed_blocks = hit.tokens // self.block_size
         elif seq.host_tables:
@@ -194,6 +263,28 @@ class KVCacheManager:
             if end_blocks > len(table):
                 table.extend(pool.allocate(end_blocks - len(table)))
         return copies
+
+    def _load(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Give the hit's tier blocks fresh pool blocks, findable at once, their bytes to be
+        written before the step (``take_loads``); count the prompt tokens each tier gave."""
+        hashes = seq.block_hashes(hit.tokens // self.block_size, self.block_size)
+        counted = next((gi for gi, g in enumerate(self.groups) if g.window is None), 0)
+        for gi, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
+            for i, block in enumerate(table):
+                if block != TIER_BLOCK:
+                    continue
+                tier, data = self._staged[tier_key(gi, hashes[i])]
+                table[i] = pool.allocate(1)[0]
+                pool.cache(table[i], hashes[i])
+                self._loads[gi].append((table[i], data))
+                if gi == counted and seq.admitted < 0:  # as num_cached_tokens: the first admission
+                    seq.tier_tokens[tier] = seq.tier_tokens.get(tier, 0) + self.block_size
+        self._staged.clear()
+
+    def take_loads(self) -> BlockLoads:
+        """The blocks tiers filled since the last call, per group: write them before the step."""
+        loads, self._loads = self._loads, [[] for _ in self.groups]
+        return loads
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (tail first) and its host copies, if swapped."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.eviction import EvictionPolicy, Full
-from kvlab.engine.kv_manager import BlockCopies, KVCacheManager
+from kvlab.engine.kv_manager import BlockCopies, BlockLoads, KVCacheManager
 from kvlab.engine.sequence import SeqStatus, Sequence
 from kvlab.layout import cdiv
 
@@ -43,6 +43,7 @@ class SchedulerOutput:
     swap_out: BlockCopies  # (device, host) per group: run before the forward pass
     swap_in: BlockCopies  # (host, device) per group: run after swap_out, before the forward pass
     preempted: list[Sequence] = field(default_factory=list)
+    loads: BlockLoads = field(default_factory=list)  # prefix-tier blocks: after swap_in, before the pass
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (first admissions)
         self.prefix_hits = 0  # of which found cached
+        self.tier_hits = 0  # of which loaded from a prefix tier (kvlab.engine.tiers)
         self._admissions = 0
 
     # --- requests -------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             hit = self.kv.find_prefix(seq) if seq.status is SeqStatus.WAITING else None
+            if hit is not None and hit.from_tiers:
+                hit = self.kv.fetch(seq, hit)
             start = hit.tokens if hit is not None else seq.num_computed_tokens
             n = self._on_grid(seq, start, self.kv.max_chunk(start, min(seq.num_tokens - start, budget),
                                                             seq if hit is None else None))
@@ -166,6 +170,7 @@ class Scheduler:
             if seq.admitted < 0 and hit is not None:  # first admission: count the prefix cache
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += hit.tokens
+                self.tier_hits += sum(seq.tier_tokens.values())
                 seq.num_cached_tokens = hit.tokens
             seq.status = SeqStatus.RUNNING
             seq.admitted = self._admissions
@@ -173,6 +178,7 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk.of(seq, start, n))
             budget -= n
+        out.loads = self.kv.take_loads()
         return out
 
     def _on_grid(self, seq: Sequence, start: int, n: int) -> int:

@@ -31,6 +31,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of which each prefix tier gave
     block_tables: list[list[int]] = field(default_factory=list)  # one per layer group
     host_tables: list[list[int]] = field(default_factory=list)  # while swapped: host block ids
     num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache

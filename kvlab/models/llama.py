@@ -21,6 +21,8 @@ import functools
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -415,6 +417,16 @@ class DecoderModel(nn.Module):
         return x * torch.tensor(self.embed_scale).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where a model's weights came from, for what must name them (the prefix tiers' keys): the
+    files read, or a random init's config and seed; and the GGUF types held as stored."""
+
+    files: tuple[Path, ...] = ()
+    random: str = ""  # JSON of the config and seed of random weights
+    stored: tuple[str, ...] = ()
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM over flat tokens.
 
@@ -446,6 +458,7 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq_local", None, persistent=False)
         self.set_rope()
         self.eos_token_ids: tuple[int, ...] = ()  # filled by the loader (generation_config.json)
+        self.source: WeightsSource | None = None  # filled by the loader
         self.invariant_rows: int | None = None  # deterministic mode's row block (use)
         self._use: tuple[Backends, bool, int] | None = None  # use()'s arguments, for .to()
         self._stacks: dict[int, NativeStack] = {}  # layers run as one native call, by count (use)

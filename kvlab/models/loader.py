@@ -27,7 +27,7 @@ from kvlab import dispatch
 from kvlab.dispatch import Backends
 from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
-from kvlab.models.llama import CausalLM, check_supported
+from kvlab.models.llama import CausalLM, WeightsSource, check_supported
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from kvlab.models.weights import FORMATS, QuantEmbedding, QuantLinear
 from kvlab.options import ModelOptions
@@ -314,6 +314,8 @@ def build_model(spec: ModelSpec, dtype: str | torch.dtype = DEFAULT_DTYPE, devic
         model.to_empty(device=device)
         model.tie_weights()
         init_random_(model, seed)
+        model.source = WeightsSource(random=json.dumps({"config": spec.config, "seed": seed},
+                                                       sort_keys=True, default=str))
     # Otherwise weights arrive through load_state_dict(assign=True), and load() has the layers
     # choose again. RoPE stays float32.
     model.set_rope(device)
@@ -354,6 +356,8 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
         tensors = (((k, torch.from_numpy(a)) for k, a in gguf.tensors(placed)) if gguf is not None
                    else _safetensors(folder))
         _assign_weights(built, tensors, path.name, choice.dtype, torch.device(dev))
+        files = (gguf.path,) if gguf is not None else tuple(sorted(folder.glob("*.safetensors")))
+        built.source = WeightsSource(files=files, stored=tuple(sorted(placed)))
         built.use()  # the layers choose how they run, on the weights they now hold
     tokenizer: HFTokenizer | ByteTokenizer
     if gguf is not None:

@@ -121,9 +121,12 @@ class EngineBridge:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the engine thread; what the disk tier has queued is written before this returns."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.engine.tiers is not None:
+            self.engine.tiers.flush()
 
     @property
     def alive(self) -> bool:
@@ -292,7 +295,9 @@ class EngineBridge:
             prefix_hits_tokens=m.prefix_cache_hits, preemptions=m.preemptions,
             swapped_out_blocks=m.swapped_out_blocks, swapped_in_blocks=m.swapped_in_blocks,
             swap_fallbacks=m.swap_fallbacks, evicted_blocks=m.evicted_blocks,
-            evicted_tokens=m.evicted_tokens, running=m.running, waiting=m.waiting, swapped=m.swapped)
+            evicted_tokens=m.evicted_tokens, running=m.running, waiting=m.waiting, swapped=m.swapped,
+            external_queries_tokens=m.prefix_cache_queries - m.prefix_cache_hits + m.tier_hits,
+            external_hits_tokens=m.tier_hits, tiers=tuple(m.tiers))
 
     def block_map(self) -> dict[str, Any]:
         """The engine's block map (``views.block_map``) with the gauges; call through ``call``

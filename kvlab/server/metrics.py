@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvlab.engine.tiers import TierStats
+
 PREFIX = "kvlab"
 # Buckets in seconds: CPU runs of tiny models are milliseconds, a real model's prefill seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -42,6 +44,9 @@ class EngineGauges:
     running: int
     waiting: int
     swapped: int
+    external_queries_tokens: int = 0  # cumulative: prompt tokens the pool missed, asked of the tiers
+    external_hits_tokens: int = 0  # cumulative: of those, loaded from a tier
+    tiers: tuple[TierStats, ...] = ()  # the prefix tiers behind the pool (RAM, disk)
 
     @property
     def usage(self) -> float:
@@ -84,6 +89,33 @@ class _EngineCollector(Collector):
         yield counter("evicted_blocks", "KV blocks given back by the token eviction policy (--kv-policy).",
                       g.evicted_blocks)
         yield counter("evicted_tokens", "Cached tokens evicted by the token eviction policy.", g.evicted_tokens)
+        if not g.tiers:
+            return
+        # vLLM's names for a prefix cache beyond the pool (a KV connector's), in tokens
+        yield counter("external_prefix_cache_queries", "Prompt tokens the pool missed, looked up in the "
+                      "--kv-offload-* tiers.", g.external_queries_tokens)
+        yield counter("external_prefix_cache_hits", "Prompt tokens loaded from a --kv-offload-* tier.",
+                      g.external_hits_tokens)
+        per_tier = [
+            ("kv_offload_hits_blocks", "Blocks a prefix tier gave to a look-up.", "hits", CounterMetricFamily),
+            ("kv_offload_misses_blocks", "Blocks asked of a prefix tier and not found (or unreadable).",
+             "misses", CounterMetricFamily),
+            ("kv_offload_store_blocks", "Blocks a prefix tier took in.", "stored", CounterMetricFamily),
+            ("kv_offload_load_bytes", "Bytes read out of a prefix tier.", "bytes_read", CounterMetricFamily),
+            ("kv_offload_store_bytes", "Bytes written into a prefix tier.", "bytes_written", CounterMetricFamily),
+            ("kv_offload_load_seconds", "Seconds spent reading blocks out of a prefix tier.", "load_seconds",
+             CounterMetricFamily),
+            ("kv_offload_bad_files", "Disk-tier files dropped as corrupt, truncated or foreign.", "bad",
+             CounterMetricFamily),
+            ("kv_offload_used_bytes", "Bytes a prefix tier holds.", "used", GaugeMetricFamily),
+            ("kv_offload_budget_bytes", "Bytes a prefix tier may hold.", "budget", GaugeMetricFamily),
+            ("kv_offload_blocks", "Blocks a prefix tier holds.", "blocks", GaugeMetricFamily),
+        ]
+        for name, doc, attr, family in per_tier:
+            metric = family(f"{PREFIX}_{name}", doc, labels=["tier"])
+            for tier in g.tiers:
+                metric.add_metric([tier.name], getattr(tier, attr))
+            yield metric
 
 
 class ServerMetrics:
