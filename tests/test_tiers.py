@@ -290,3 +290,18 @@ def test_the_server_serves_from_the_tiers_and_counts_them(tmp_path):
         assert metric(text, 'kvlab_kv_offload_bad_files_total{tier="disk"}') == 0
     finally:
         live.stop()
+
+
+def test_read_buffers_are_reused_only_when_given_back(tmp_path):
+    tier = DiskTier(tmp_path, 10**6, FP)
+    for i in range(3):
+        tier.write_behind(key(i), block(i))
+    tier.flush()
+    first = tier.read_many([key(0), key(1)])
+    stranger = block(7)
+    tier.recycle([*first, stranger])  # a tensor it did not lend is not taken
+    again = tier.read_many([key(2), key(0)])
+    assert {id(t) for t in again} == {id(t) for t in first}  # the same pages, filled again
+    assert torch.equal(again[0], block(2)) and torch.equal(again[1], block(0))
+    assert torch.equal(stranger, block(7)) and torch.equal(tier.read(key(1)), block(1))
+    tier.close()

@@ -373,8 +373,9 @@ class LLMEngine:
         self.executor.swap_in(out.swap_in)
         for group, loads in enumerate(out.loads):  # prefix-tier hits, into their fresh blocks
             if loads:
-                assert self.cache is not None
+                assert self.cache is not None and self.tiers is not None
                 self.cache.put_block_bytes(group, [b for b, _ in loads], torch.stack([d for _, d in loads]))
+                self.tiers.loaded(d for _, d in loads)
 
     def _score_prompts(self, rows: dict[str, tuple[int, torch.Tensor]]) -> None:
         """Prompt logprobs from the rows the runner computed for them (a chunked prefill brings

@@ -136,14 +136,13 @@ class KVCacheManager:
         one deleted meanwhile) is missing from then on: the hit is looked up again, shorter."""
         assert self.tiers is not None
         hashes = seq.block_hashes(hit.tokens // self.block_size, self.block_size)
-        for gi, table in enumerate(hit.tables):
-            for i, block in enumerate(table):
-                key = tier_key(gi, hashes[i])
-                if block == TIER_BLOCK and key not in self._staged:
-                    got = self.tiers.fetch(key)
-                    if got is None:
-                        return self.fetch(seq, self.find_prefix(seq))
-                    self._staged[key] = got
+        wanted = [tier_key(gi, hashes[i]) for gi, table in enumerate(hit.tables)
+                  for i, block in enumerate(table) if block == TIER_BLOCK]
+        wanted = [key for key in wanted if key not in self._staged]
+        got = self.tiers.fetch(wanted)
+        self._staged.update((key, g) for key, g in zip(wanted, got) if g is not None)
+        if None in got:
+            return self.fetch(seq, self.find_prefix(seq))
         return hit
 
     def cache_computed(self, seq: Sequence) -> None:

@@ -28,8 +28,10 @@ import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,8 @@ MAGIC = b"KVLABKV\0"
 HEADER = struct.Struct("<8sI16s17sQI")  # magic, format, fingerprint, key, payload bytes, CRC-32
 SUFFIX = ".kvb"
 STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died
+SPARE_BYTES = 256 * 2**20  # read buffers kept for reuse: fresh ones cost a page fault per 4 KiB
+READERS = 16  # threads reading a run of disk blocks: 16 read 1.4x faster than 4 from a dropped page cache
 MAX_PENDING_BYTES = 256 * 2**20  # writes queued behind the step; beyond, a block is not written
 DEFAULT_DISK_FRACTION = 0.5  # --kv-offload-dir alone: half the file system's free space...
 DEFAULT_DISK_MAX = 10 * 2**30  # ...up to 10 GiB
@@ -135,6 +139,9 @@ class DiskTier:
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kvlab-disk-tier", daemon=True)
         self._writer.start()
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvlab-disk-read")
+        self._lent: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        self._spare: dict[int, list[Tensor]] = {}  # by size: buffers read_many may fill again
 
     # --- reading --------------------------------------------------------------------------------
     def path(self, key: Key) -> Path:
@@ -154,24 +161,28 @@ class DiskTier:
     def read(self, key: Key) -> Tensor | None:
         """The block's payload, checked; None (a miss) if it is missing or not a whole, valid
         block of this fingerprint and key, which is then deleted."""
+        return self.read_many([key])[0]
+
+    def read_many(self, keys: list[Key]) -> list[Tensor | None]:
+        """``read`` for a run of blocks, READERS at a time: the device then has many reads queued,
+        not one (file reads and CRC-32 let go of the GIL)."""
         start = time.perf_counter()
-        path = self.path(key)
-        data = self._read_checked(path, key)
+        paths = [self.path(k) for k in keys]
+        got = list(self._readers.map(self._read_checked, paths, keys))
         with self._lock:
-            if data is None:
-                self.stats.misses += 1
-                self._unreadable.add(key)
-                if self._index.pop(path, None) is not None:
-                    self._account()
-                return None
-            if path not in self._index:  # another process wrote it
-                self._index[path] = HEADER.size + data.numel()
-                self._account()
-            self._index.move_to_end(path)
-            self.stats.hits += 1
-            self.stats.bytes_read += HEADER.size + data.numel()
+            for key, path, data in zip(keys, paths, got):
+                if data is None:
+                    self.stats.misses += 1
+                    self._unreadable.add(key)
+                    self._index.pop(path, None)
+                    continue
+                self._index[path] = HEADER.size + data.numel()  # another process may have written it
+                self._index.move_to_end(path)
+                self.stats.hits += 1
+                self.stats.bytes_read += HEADER.size + data.numel()
+            self._account()
             self.stats.load_seconds += time.perf_counter() - start
-        return data
+        return got
 
     def _read_checked(self, path: Path, key: Key) -> Tensor | None:
         try:
@@ -182,7 +193,7 @@ class DiskTier:
                 magic, version, fingerprint, file_key, length, crc = HEADER.unpack(header)
                 if (magic, version, fingerprint, file_key) != (MAGIC, BLOCK_FORMAT, self.fingerprint, key):
                     return self._bad(path, "foreign or older block")
-                data = torch.empty(length, dtype=torch.uint8)
+                data = self._buffer(length)
                 view = memoryview(data.numpy())
                 got = f.readinto(view)
                 if got != length or f.read(1):
@@ -196,9 +207,28 @@ class DiskTier:
             return self._bad(path, "checksum mismatch")
         return data
 
+    def _buffer(self, length: int) -> Tensor:
+        with self._lock:
+            spare = self._spare.get(length)
+            data = spare.pop() if spare else torch.empty(length, dtype=torch.uint8)
+            self._lent[id(data)] = data
+        return data
+
+    def recycle(self, blocks: Iterable[Tensor]) -> None:
+        """Take back buffers ``read_many`` gave once their bytes are copied out (others are
+        ignored), to fill them again without faulting in fresh pages."""
+        with self._lock:
+            kept = sum(t.numel() for ts in self._spare.values() for t in ts)
+            for data in blocks:
+                if self._lent.get(id(data)) is data and kept + data.numel() <= SPARE_BYTES:
+                    del self._lent[id(data)]
+                    self._spare.setdefault(data.numel(), []).append(data)
+                    kept += data.numel()
+
     def _bad(self, path: Path, why: str) -> None:
         log.warning("KV disk tier: %s is unusable (%s): a miss, deleted", path.name, why)
-        self.stats.bad += 1
+        with self._lock:
+            self.stats.bad += 1
         try:
             path.unlink()
         except OSError:
@@ -225,10 +255,11 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
+        """Write what is queued, then stop the writer and reader threads."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        self._readers.shutdown()
 
     def _write_loop(self) -> None:
         while True:
@@ -370,17 +401,22 @@ class TierChain:
             return "disk"
         return None
 
-    def fetch(self, key: Key) -> tuple[str, Tensor] | None:
-        """The block's bytes and the tier they came from, or None (then counted as a miss)."""
-        if self.ram is not None and key in self.ram:
-            data = self.ram.get(key)
+    def fetch(self, keys: list[Key]) -> list[tuple[str, Tensor] | None]:
+        """Each block's bytes and the tier they came from, or None (counted as a miss); the disk
+        tier's in one ``read_many``."""
+        got: list[tuple[str, Tensor] | None] = [None] * len(keys)
+        from_disk = []
+        for i, key in enumerate(keys):
+            data = self.ram.get(key) if self.ram is not None and key in self.ram else None
             if data is not None:
-                return "ram", data
-        if self.disk is not None:
-            data = self.disk.read(key)
-            if data is not None:
-                return "disk", data
-        return None
+                got[i] = ("ram", data)
+            elif self.disk is not None:
+                from_disk.append(i)
+        if from_disk:
+            assert self.disk is not None
+            for i, data in zip(from_disk, self.disk.read_many([keys[i] for i in from_disk])):
+                got[i] = None if data is None else ("disk", data)
+        return got
 
     @property
     def writes_computed(self) -> bool:
@@ -394,6 +430,11 @@ class TierChain:
     def leaving_pool(self, key: Key, data: Tensor) -> None:
         if self.ram is not None:
             self.ram.put(key, data)
+
+    def loaded(self, blocks: Iterable[Tensor]) -> None:
+        """These blocks' bytes are in the pool now: the disk tier may reuse its read buffers."""
+        if self.disk is not None:
+            self.disk.recycle(blocks)
 
     def flush(self) -> None:
         if self.disk is not None:

