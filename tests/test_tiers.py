@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from kvlab.engine.block_pool import hash_block
 from kvlab.engine.llm import LLM
 from kvlab.engine.tiers import HEADER, SUFFIX, DiskTier, RamTier, fingerprint, tier_key
 from kvlab.sampling import SamplingParams
@@ -184,14 +185,10 @@ def test_blocks_that_leave_the_pool_come_back_from_ram_bitwise(llama):
     assert left and llm.metrics().tiers[0].stored == len(left)
     again, outs = run(llm, batch[:1])
     assert again == cold[:1] and outs[0].tier_tokens == {"ram": 32} and outs[0].num_cached_tokens == 32
-    kv, cache, seq_hashes = llm.engine.kv, llm.engine.cache, None
-    pool = kv.pools[0]
-    for k, data in left.items():  # every block that came back holds the bytes that left
-        block_id = pool.lookup(k[1:])
-        if block_id is not None:
-            assert torch.equal(cache.block_bytes(0, [block_id])[0], data)
-            seq_hashes = True
-    assert seq_hashes
+    pool, cache, parent = llm.engine.kv.pools[0], llm.engine.cache, None
+    for i in range(8):  # the eight blocks that came back hold the bytes that left, bit for bit
+        parent = hash_block(parent, batch[0][4 * i:4 * i + 4])
+        assert torch.equal(cache.block_bytes(0, [pool.lookup(parent)])[0], left[tier_key(0, parent)])
     m = llm.metrics()
     assert m.tiers[0].hits == 8 and m.tiers[0].used <= 2**24 and m.kv_blocks_used == 0
 

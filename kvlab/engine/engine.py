@@ -236,14 +236,14 @@ class LLMEngine:
         if options.kv_offload_dir is not None:
             root = Path(options.kv_offload_dir)
             budget = options.kv_offload_disk or default_disk_budget(root)
-            disk = DiskTier(root, budget, self.block_fingerprint(kv_dtype, groups, root))
+            disk = DiskTier(root, budget, self._block_fingerprint(kv_dtype, groups, root))
         log.info("prefix tiers: %s", ", ".join(
             f"{t.stats.name} {fmt_bytes(t.stats.budget)}" + (f" in {t.root} ({fmt_bytes(t.stats.used)} "
                                                                f"there)" if isinstance(t, DiskTier) else "")
             for t in (ram, disk) if t is not None))
         return TierChain(ram, disk)
 
-    def block_fingerprint(self, kv_dtype: str, groups: list[LayerGroup], root: Path) -> bytes:
+    def _block_fingerprint(self, kv_dtype: str, groups: list[LayerGroup], root: Path) -> bytes:
         """What shapes a block's bytes, hashed: the weights (their files' contents, hashed once
         and remembered in ``root``), the config, dtypes, block size, layer groups, the rank, the
         fp8 scales and the kernels that compute K/V (their CPU paths, threads, deterministic mode)."""
@@ -253,10 +253,6 @@ class LLMEngine:
         if source is None:
             raise ValueError("the --kv-offload-* tiers name blocks by the model's weights: load the "
                              "model with kvlab.models.load (or build_model) so its source is known")
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # the disk tier says why, once
         weights = file_digest(source.files, root / "digests.json") if source.files else source.random
         return fingerprint({
             "weights": weights, "stored": list(source.stored), "config": model.spec.config,

@@ -174,18 +174,13 @@ class PagedKVCache:
 
     def put_block_bytes(self, group: int, blocks: list[int], data: Tensor) -> None:
         """Write ``block_bytes``' rows back into these blocks (one copy per tensor for the run)."""
+        raws = [t.view(torch.uint8) for layer in self.groups[group].layers for t in self.blocks[layer]]
+        widths = [raw[:, 0].numel() for raw in raws]  # raw: [kv_heads, num_blocks, block_size, row bytes]
+        if sum(widths) != data.shape[1]:
+            raise ValueError(f"a tier block of {data.shape[1]} B for blocks of {sum(widths)} B")
         index = torch.tensor(blocks, device=self.device)
-        data = data.to(self.device)
-        offset = 0
-        for layer in self.groups[group].layers:
-            for t in self.blocks[layer]:
-                raw = t.view(torch.uint8)  # [kv_heads, num_blocks, block_size, row bytes]
-                width = raw[:, 0].numel()
-                part = data[:, offset:offset + width].view(len(blocks), raw.shape[0], *raw.shape[2:])
-                raw.index_copy_(1, index, part.transpose(0, 1))
-                offset += width
-        if offset != data.shape[1]:
-            raise ValueError(f"a tier block of {data.shape[1]} B for blocks of {offset} B")
+        for raw, part in zip(raws, data.to(self.device).split(widths, dim=1)):
+            raw.index_copy_(1, index, part.view(len(blocks), raw.shape[0], *raw.shape[2:]).transpose(0, 1))
 
     # --- swapping ------------------------------------------------------------------------------
     def attach_host_pool(self, num_blocks: int, where: Literal["ram", "disk"]) -> None:

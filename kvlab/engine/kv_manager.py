@@ -154,28 +154,31 @@ class KVCacheManager:
         if n <= seq.num_hashed_blocks:
             return
         hashes = seq.block_hashes(n, self.block_size)
-        writes = self.tiers is not None and self.tiers.writes_computed
         for gi, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
             new = [(table[i], hashes[i]) for i in range(seq.num_hashed_blocks, n)
                    if table[i] != NULL_BLOCK and pool.cache(table[i], hashes[i])]
-            if writes and new:
-                self._to_tier(gi, new, self.tiers.computed)  # type: ignore[union-attr]
+            if self.tiers is not None:
+                self._to_tier(gi, new, self.tiers.wants_computed, self.tiers.computed)
         seq.num_hashed_blocks = n
 
     def _evicted(self, group: int) -> Callable[[list[tuple[int, bytes]]], None]:
         """The pool's on_evict: what leaves the pool goes to the tiers, read out at once."""
         def leave(blocks: list[tuple[int, bytes]]) -> None:
             assert self.tiers is not None
-            if self.tiers.ram is not None:
-                self._to_tier(group, blocks, self.tiers.leaving_pool)
+            self._to_tier(group, blocks, self.tiers.wants_leaving, self.tiers.leaving_pool)
         return leave
 
-    def _to_tier(self, group: int, blocks: list[tuple[int, bytes]],
+    def _to_tier(self, group: int, blocks: list[tuple[int, bytes]], wants: Callable[[Key], bool],
                  take: Callable[[Key, Tensor], None]) -> None:
+        """Read out the blocks a tier wants (only those: the copy is on the step's path) and
+        hand each to ``take``."""
+        wanted = [(block, tier_key(group, h)) for block, h in blocks if wants(tier_key(group, h))]
+        if not wanted:
+            return
         assert self.read_blocks is not None
-        data = self.read_blocks(group, [b for b, _ in blocks])
-        for (_, block_hash), row in zip(blocks, data):
-            take(tier_key(group, block_hash), row.clone())  # its own bytes, not a view of the batch
+        data = self.read_blocks(group, [b for b, _ in wanted])
+        for (_, key), row in zip(wanted, data):
+            take(key, row.clone())  # its own bytes, not a view of the batch
 
     # --- allocation -----------------------------------------------------------------------------
     def free_outside_window(self, seq: Sequence) -> None:

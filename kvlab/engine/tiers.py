@@ -174,13 +174,11 @@ class DiskTier:
                 if data is None:
                     self.stats.misses += 1
                     self._unreadable.add(key)
-                    self._index.pop(path, None)
+                    self._forget(path)
                     continue
-                self._index[path] = HEADER.size + data.numel()  # another process may have written it
-                self._index.move_to_end(path)
+                self._hold(path, HEADER.size + data.numel())  # another process may have written it
                 self.stats.hits += 1
                 self.stats.bytes_read += HEADER.size + data.numel()
-            self._account()
             self.stats.load_seconds += time.perf_counter() - start
         return got
 
@@ -236,6 +234,15 @@ class DiskTier:
         return None
 
     # --- writing --------------------------------------------------------------------------------
+    def wants(self, key: Key) -> bool:
+        """Writing is on and the block is neither held, nor queued, nor written by another process."""
+        if not self.stats.writable:
+            return False
+        with self._lock:
+            if key in self._pending:
+                return False
+        return key not in self
+
     def write_behind(self, key: Key, data: Tensor) -> None:
         """Queue ``data`` (a uint8 tensor the tier now owns) to be written off the step's path."""
         if not self.stats.writable:
@@ -300,11 +307,10 @@ class DiskTier:
                 pass
             raise
         with self._lock:
-            self._index[path] = size
+            self._hold(path, size)
             self._unreadable.discard(key)
             self.stats.stored += 1
             self.stats.bytes_written += size
-            self._account()
 
     def _write_file(self, path: Path, header: bytes, payload: memoryview) -> None:
         with open(path, "xb", buffering=0) as f:
@@ -319,8 +325,8 @@ class DiskTier:
             with self._lock:
                 if self.stats.used + size <= self.stats.budget or not self._index:
                     return
-                old, _ = self._index.popitem(last=False)
-                self._account()
+                old = next(iter(self._index))
+                self._forget(old)
             try:
                 old.unlink()
             except FileNotFoundError:
@@ -332,10 +338,19 @@ class DiskTier:
                         "no more", self.root, error)
         self.stats.writable = False
 
-    def _account(self) -> None:
-        """Refresh used bytes and block count from the index (the lock is held)."""
-        self.stats.used = sum(self._index.values())
-        self.stats.blocks = len(self._index)
+    def _hold(self, path: Path, size: int) -> None:
+        """Index a file as the most recently used (the lock is held)."""
+        self._forget(path)
+        self._index[path] = size
+        self.stats.used += size
+        self.stats.blocks += 1
+
+    def _forget(self, path: Path) -> None:
+        """Drop a file from the index, if it is there (the lock is held)."""
+        size = self._index.pop(path, None)
+        if size is not None:
+            self.stats.used -= size
+            self.stats.blocks -= 1
 
     def _scan(self) -> None:
         """Index the block files already in the directory (every fingerprint's, for the budget),
@@ -365,8 +380,7 @@ class DiskTier:
                         pass
         with self._lock:
             for _, path, size in sorted(found):
-                self._index[path] = size
-            self._account()
+                self._hold(path, size)
         if self.stats.used > self.stats.budget:
             self._make_room(0)
 
@@ -418,18 +432,21 @@ class TierChain:
                 got[i] = None if data is None else ("disk", data)
         return got
 
-    @property
-    def writes_computed(self) -> bool:
-        """Newly computed blocks are wanted (the disk tier writes them behind)."""
-        return self.disk is not None and self.disk.stats.writable
+    def wants_computed(self, key: Key) -> bool:
+        """A newly computed block is to be written (to the disk tier, behind the step)."""
+        return self.disk is not None and self.disk.wants(key)
 
     def computed(self, key: Key, data: Tensor) -> None:
-        if self.disk is not None and key not in self.disk:
-            self.disk.write_behind(key, data)
+        assert self.disk is not None
+        self.disk.write_behind(key, data)
+
+    def wants_leaving(self, key: Key) -> bool:
+        """A block leaving the pool is to be kept (in the RAM tier)."""
+        return self.ram is not None and key not in self.ram
 
     def leaving_pool(self, key: Key, data: Tensor) -> None:
-        if self.ram is not None:
-            self.ram.put(key, data)
+        assert self.ram is not None
+        self.ram.put(key, data)
 
     def loaded(self, blocks: Iterable[Tensor]) -> None:
         """These blocks' bytes are in the pool now: the disk tier may reuse its read buffers."""
@@ -468,6 +485,7 @@ def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
     if memo is not None:
         known[stamp] = digest
         try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
             tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(known))
             os.replace(tmp, memo)
