@@ -203,6 +203,23 @@ def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama
         perplexity_loop(llama, ids, streaming, 16), rel=1e-4)
 
 
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_scoring_policies_are_batch_invariant_under_deterministic(llama, policy):
+    """--deterministic lays keys out in whole splits; the scores a policy adds to cover them too
+    (a 70-token sequence's last split reaches position 127). Each prompt's tokens in a batch
+    are those it gets alone, later, on the same engine: a prefix-cache hit never covers a voting
+    query (h2o: every one; snapkv: the prompt's last 32), whose scores it would skip."""
+    batch = prompts((40, 70, 9), seed=1)
+    llm = LLM(llama, kv_policy=policy, kv_budget=24, deterministic=True, block_size=4, preemption="swap-ram")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(batch, params)]
+    alone = [llm.generate([p], params)[0] for p in batch]
+    assert together == [o.token_ids for o in alone] and all(len(t) == 30 for t in together)
+    voting = [0 if policy == "h2o" else max(0, len(p) - 32) for p in batch]
+    assert [o.num_cached_tokens for o in alone] == [v // 4 * 4 for v in voting]
+    assert llm.metrics().evicted_blocks > 0
+
+
 def test_lossy_blocks_are_never_served_as_a_prefix(llama):
     """Blocks computed before the first eviction saw the full text: they stay in the prefix cache.
     Blocks computed after it did not: never offered. A second identical request hits exactly the

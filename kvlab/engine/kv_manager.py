@@ -91,14 +91,17 @@ class KVCacheManager:
         return num_tokens
 
     # --- prefix cache ---------------------------------------------------------------------------
-    def find_prefix(self, seq: Sequence) -> PrefixHit:
-        """Longest run of leading full blocks cached in every group. At least the last token is
-        always left to compute: its logits are needed to sample."""
+    def find_prefix(self, seq: Sequence, most: int | None = None) -> PrefixHit:
+        """Longest run of leading full blocks cached in every group, covering at most ``most``
+        tokens (None: any). At least the last token is always left to compute: its logits are
+        needed to sample."""
         bs = self.block_size
         none = PrefixHit(0, [[] for _ in self.groups])
         if not self.prefix_caching:
             return none
         n = (seq.num_tokens - 1) // bs
+        if most is not None:
+            n = min(n, most // bs)
         hashes = seq.block_hashes(n, bs)
         for gi, g in enumerate(self.groups):
             if g.window is None:
@@ -142,7 +145,7 @@ class KVCacheManager:
         got = self.tiers.fetch(wanted)
         self._staged.update((key, g) for key, g in zip(wanted, got) if g is not None)
         if None in got:
-            return self.fetch(seq, self.find_prefix(seq))
+            return self.fetch(seq, self.find_prefix(seq, hit.tokens))  # never longer than asked
         return hit
 
     def cache_computed(self, seq: Sequence) -> None:

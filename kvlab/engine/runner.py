@@ -17,6 +17,8 @@ from torch import Tensor
 from kvlab.engine.attention import SeqSpan
 from kvlab.engine.executor import Executor, StepInput
 from kvlab.eviction import EvictionPolicy, Full
+from kvlab.layout import cdiv
+from kvlab.models.invariant import SPLIT
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.engine.sequence import Sequence
 
@@ -71,7 +73,10 @@ class ModelRunner:
         if not self.eviction.needs_scores:
             return SeqSpan(seq.block_tables, start, num_tokens)
         if seq.scores is None or seq.scores.numel() < seq.num_tokens:
-            grown = torch.zeros(max(2 * seq.num_tokens, 64), dtype=torch.long, device=self.executor.device)
+            # whole splits: deterministic mode lays keys out by position in splits of SPLIT, and
+            # adds the (zero) mass of a last split's empty tail at its positions too
+            size = cdiv(max(2 * seq.num_tokens, SPLIT), SPLIT) * SPLIT
+            grown = torch.zeros(size, dtype=torch.long, device=self.executor.device)
             if seq.scores is not None:
                 grown[:seq.scores.numel()] = seq.scores
             seq.scores = grown

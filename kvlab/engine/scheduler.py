@@ -155,7 +155,8 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            hit = self.kv.find_prefix(seq) if seq.status is SeqStatus.WAITING else None
+            hit = (self.kv.find_prefix(seq, self.eviction.prefix_limit(seq.num_prompt_tokens))
+                   if seq.status is SeqStatus.WAITING else None)
             if hit is not None and hit.from_tiers:
                 hit = self.kv.fetch(seq, hit)
             start = hit.tokens if hit is not None else seq.num_computed_tokens

@@ -66,6 +66,12 @@ class EvictionPolicy:
         """Positions whose queries' attention counts toward the scores (None: no scores)."""
         return None
 
+    def prefix_limit(self, num_prompt_tokens: int) -> int | None:
+        """Prompt tokens a prefix-cache hit may cover (None: all): a hit skips its tokens'
+        queries, and the queries that vote must run for the scores to be those of a cold run."""
+        voting = self.voters(num_prompt_tokens)
+        return None if voting is None else voting.start
+
     # --- when it may evict -----------------------------------------------------------------------
     def ready(self, computed: int, num_prompt_tokens: int) -> bool:
         """Whether it may evict from a sequence with ``computed`` positions in its cache, of a
