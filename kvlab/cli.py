@@ -86,7 +86,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       mem_util=args.mem_util, gpu_memory=args.gpu_memory, prompt=args.prompt,
                       kv_memory=args.kv_memory, block_size=args.block_size or 16,
                       max_model_len=args.max_model_len, dp_attention=args.dp_attention,
-                      vllm=vllm, llamacpp=llamacpp, model_file=str(path) if path else None)
+                      vllm=vllm, llamacpp=llamacpp, model_file=str(path) if path else None,
+                      kv_offload_ram=args.kv_offload_ram, kv_offload_dir=args.kv_offload_dir,
+                      kv_offload_disk=args.kv_offload_disk, disk_read_rate=args.disk_read_rate)
     plan = make_plan(spec, req)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
@@ -442,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence length for max_concurrency (default: --context)")
     p.add_argument("--dp-attention", action="store_true",
                    help="MLA models: split the batch across TP ranks, each holding whole caches")
+    add_engine_args(p, only=("kv_offload_ram", "kv_offload_dir", "kv_offload_disk"))
+    p.add_argument("--disk-read-rate", type=byte_size, metavar="BYTES",
+                   help="the disk tier's read rate per second, e.g. 7GB (default: measured once on "
+                   "--kv-offload-dir's disk)")
     p.add_argument("--engine", choices=["vllm", "llama.cpp"],
                    help="also print that engine's own KV-cache log line(s) and its command line")
     p.add_argument("--vllm-version", help="the vLLM release whose log line to predict (default 0.32)")

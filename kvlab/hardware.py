@@ -24,6 +24,7 @@ class Device:
     bandwidth: float  # bytes/s
     flops: float  # dense 16-bit FLOP/s (cpu: measured fp32 matmul)
     source: str
+    host_bandwidth: float | None = None  # host RAM -> device bytes/s (None: the device is the host)
 
 
 def gpu_names() -> list[str]:
@@ -40,7 +41,8 @@ def get_device(key: str) -> Device:
     if key not in gpus or key.startswith("_"):
         raise ValueError(f"unknown GPU {key!r}; choose one of {', '.join(gpu_names())}")
     g = gpus[key]
-    return Device(key, g["name"], g["memory_bytes"], g["bandwidth"], g["bf16_flops"], g["source"])
+    return Device(key, g["name"], g["memory_bytes"], g["bandwidth"], g["bf16_flops"],
+                  f"{g['source']}; {g['host_source']}", g["host_bandwidth"])
 
 
 def system_memory() -> int:
@@ -64,6 +66,25 @@ def with_memory(device: Device, memory_bytes: int) -> Device:
 
 # How the figures were measured: a cache written another way is measured again.
 METHOD = "read: torch sum on every core; matmul: numpy"
+
+
+def cpu_identity() -> str:
+    """This CPU's model name, core count and a hash of its flags: the figures cached for one CPU
+    are measured again on another (a machine's CPU may change under the same home directory)."""
+    import hashlib
+    import platform
+
+    name, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    return f"{name or platform.processor()}, {os.cpu_count()} cores, flags {hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
 def _measure_cpu() -> dict:
@@ -92,15 +113,16 @@ def _measure_cpu() -> dict:
         t = time.perf_counter()
         m @ m
         best = min(best, time.perf_counter() - t)
-    return {"bandwidth": bandwidth, "flops": 2 * n**3 / best, "cores": os.cpu_count(), "method": METHOD}
+    return {"bandwidth": bandwidth, "flops": 2 * n**3 / best, "cores": os.cpu_count(), "method": METHOD,
+            "cpu": cpu_identity()}
 
 
 def cpu_device() -> Device:
     """This machine: RAM (psutil), bandwidth and FLOP/s measured once and cached."""
     try:
         measured = json.loads(CACHE_FILE.read_text())
-        if measured.get("method") != METHOD:
-            raise ValueError("measured another way")
+        if measured.get("method") != METHOD or measured.get("cpu") != cpu_identity():
+            raise ValueError("measured another way, or on another CPU")
     except (OSError, ValueError):
         measured = _measure_cpu()
         try:
@@ -114,3 +136,78 @@ def cpu_device() -> Device:
         f"RAM from psutil; read bandwidth (torch, every core) and fp32 matmul FLOP/s (numpy) "
         f"measured once (cached in {CACHE_FILE})",
     )
+
+
+# --- the disk a prefix tier lives on ----------------------------------------------------------
+
+DISK_FILE = CACHE_DIR / "disks.json"
+DISK_PROBE_BYTES = 64 * 2**20  # long enough for the device's sequential rate, short to write
+DEFAULT_DISK_FRACTION = 0.5  # --kv-offload-dir alone: half the file system's free space...
+DEFAULT_DISK_MAX = 10 * 2**30  # ...up to 10 GiB
+
+
+def _existing(directory: Path) -> Path:
+    """The directory, or its nearest existing parent (a tier's directory is made on first use)."""
+    probe = Path(directory)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
+def default_disk_budget(directory: Path) -> int:
+    """``--kv-offload-dir`` without ``--kv-offload-disk``: half the free space, at most 10 GiB."""
+    try:
+        st = os.statvfs(_existing(directory))
+    except OSError:
+        return DEFAULT_DISK_MAX
+    return int(min(DEFAULT_DISK_MAX, st.f_bavail * st.f_frsize * DEFAULT_DISK_FRACTION))
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict these files' pages (clean pages go, so the next read comes from the device)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read_rate(directory: Path, nbytes: int = DISK_PROBE_BYTES) -> tuple[float, float]:
+    """(from the device, page-cached) bytes/s reading a file of ``nbytes`` written in
+    ``directory``, in 1 MiB reads; the first read follows a page-cache drop of the file."""
+    path = Path(directory) / f".kvlab-read-probe.{os.getpid()}"
+    try:
+        with open(path, "wb") as f:
+            f.write(os.urandom(nbytes))
+        drop_page_cache([path])
+        rates = []
+        for _ in range(2):
+            start = time.perf_counter()
+            with open(path, "rb", buffering=0) as f:
+                while f.read(1 << 20):
+                    pass
+            rates.append(nbytes / (time.perf_counter() - start))
+    finally:
+        path.unlink(missing_ok=True)
+    return rates[0], rates[1]
+
+
+def disk_read_rate(directory: Path) -> float:
+    """Sequential read rate from the device that holds ``directory``, in bytes/s: measured once
+    per device of this machine (``sequential_read_rate``) and cached in DISK_FILE."""
+    where = _existing(directory)
+    device = f"{cpu_identity()}, device {os.stat(where).st_dev}"
+    try:
+        known = json.loads(DISK_FILE.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if device not in known:
+        known[device] = sequential_read_rate(where)[0]
+        try:
+            DISK_FILE.parent.mkdir(parents=True, exist_ok=True)
+            DISK_FILE.write_text(json.dumps(known))
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    return float(known[device])

@@ -18,6 +18,7 @@ it when no `--kv-memory` is given, and the planner's capacity figures are the sa
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from kvlab.dtypes import kv_dtype as lookup_kv_dtype
@@ -142,6 +143,18 @@ def kv_cache_capacity(spec: ModelSpec, kv_memory: int, block_size: int, kv_dtype
         bytes_per_token=per_token, block_size=block_size, max_model_len=max_model_len,
         kv_dtype=dtype.name,
     )
+
+
+# A disk-tier file (kvlab.engine.tiers): this header, then the bytes of one layer group's pool block
+TIER_FILE_HEADER = struct.Struct("<8sI16s17sQI")  # magic, format, fingerprint, key, payload bytes, CRC-32
+
+
+def tier_tokens(spec: ModelSpec, budget: int, block_size: int, kv_dtype: str, header: int = 0) -> int:
+    """Prefix tokens a tier of ``budget`` bytes holds: whole blocks, one entry per layer group's
+    block (exactly the pool block's bytes, int8's scales included), each with ``header`` bytes
+    more (a disk file's TIER_FILE_HEADER; RAM entries have none)."""
+    per_block = block_size * spec.kv_bytes_per_token(lookup_kv_dtype(kv_dtype)) + len(layer_groups(spec)) * header
+    return budget // per_block * block_size
 
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP

@@ -119,6 +119,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                    f"{r['work_ratio']:.1f}x", fmt_flops(r["flops_with_cache"]),
                    fmt_flops(r["flops_without_cache"]), f"{r['flops_ratio']:.1f}x")
     c.print(wt)
+    if p.prefix_tiers:
+        _print_tiers(p, c)
     if not (p.engine or "").startswith("vllm"):  # --engine vllm prints its own `vllm serve` line
         c.print(f"[bold]vLLM:[/] {p.vllm_flags}" if p.vllm_flags else
                 f"[bold]vLLM:[/] no command: not one sequence of {p.context:,} tokens fits")
@@ -129,6 +131,27 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(f"[bold]with:[/] {p.engine_command}", highlight=False, soft_wrap=True)
     for note in p.notes:
         c.print(f"[yellow]note:[/] {note}")
+
+
+def _print_tiers(p: Plan, c: Console) -> None:
+    """The prefix tiers: what each holds, a token's load against its recompute, and the crossover."""
+    assert p.recompute_seconds_per_token is not None
+    t = Table(title=f"Prefix tiers: a hit loads K/V instead of recomputing the prefix (recompute: "
+              f"{fmt_seconds(p.recompute_seconds_per_token)} a token over {p.context:,} tokens, compute-bound)",
+              title_justify="left")
+    for col in ("tier", "budget", "prefix tokens held", "load rate", "load / token", "vs recompute",
+                "loads win from"):
+        t.add_column(col, justify="left" if col == "tier" else "right")
+    for tier in p.prefix_tiers:
+        seqs, speedup = tier.tokens / p.context, p.recompute_seconds_per_token / tier.load_seconds_per_token
+        t.add_row("RAM" if tier.tier == "ram" else "disk", fmt_iec(tier.budget_bytes),
+                  f"{tier.tokens:,} ({seqs:,.1f} x {p.context:,})", f"{tier.load_bytes_per_s / 1e9:,.2f} GB/s",
+                  fmt_seconds(tier.load_seconds_per_token),
+                  f"{speedup:,.1f}x faster" if speedup >= 1 else f"{1 / speedup:,.1f}x slower",
+                  f"{tier.crossover_tokens:,} tokens" if tier.crossover_tokens else "never")
+    c.print(t)
+    for tier in p.prefix_tiers:
+        c.print(f"[dim]{'RAM' if tier.tier == 'ram' else 'disk'} load: {tier.load_path}[/]")
 
 
 def print_models(rows: list[dict], console: Console | None = None) -> None:

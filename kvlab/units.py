@@ -57,6 +57,9 @@ def plural(n: int, word: str) -> str:
 
 
 def fmt_seconds(s: float) -> str:
+    """'1.25 s', '3.40 ms', '12.5 µs' (a token's load from a prefix tier)."""
+    if s < 1e-3:
+        return f"{s * 1e6:,.1f} µs"
     return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.2f} s"
 
 

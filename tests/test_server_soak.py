@@ -1,7 +1,7 @@
 """The soak of benchmarks/soak.py, small and in-process: bounded mixed streaming traffic (about
 one client in five leaving mid-stream) against a cache that preempts all the time, by swap to
-RAM and to disk. No 5xx, no hang, every completed output equals its solo run, no block leaked,
-no swap file left. (RSS over time is the benchmark's to measure: docs/benchmarks.md.)"""
+RAM and to disk, and with the prefix tiers on. No 5xx, no hang, every completed output equals its
+solo run, no block leaked, no swap file left, no tier past its budget. (RSS over time is the benchmark's to measure: docs/benchmarks.md.)"""
 
 from __future__ import annotations
 
@@ -12,17 +12,22 @@ import tempfile
 
 import pytest
 
-from benchmarks.soak import idle_cache, leaked_blocks, mismatches, run_traffic
+from benchmarks.soak import idle_cache, leaked_blocks, mismatches, run_traffic, tier_bytes
+from kvlab.engine.tiers import HEADER
 from kvlab.options import EngineOptions, ModelOptions
 from kvlab.server.run import build_bridge
 from tests.test_server_fixtures import CORPUS, MODEL_ID, LiveServer, make_tiny_model, tiny_bridge
 
 
-@pytest.mark.parametrize("mode", ["swap-ram", "swap-disk"])
-def test_small_soak(tmp_path, mode):
+@pytest.mark.parametrize("mode, tiers", [("swap-ram", False), ("swap-disk", False), ("swap-ram", True)],
+                         ids=["swap-ram", "swap-disk", "swap-ram-with-prefix-tiers"])
+def test_small_soak(tmp_path, mode, tiers):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvlab-swap-*")))
-    # 24 blocks x 8 tokens for 8 clients of up to ~70 tokens each
-    live = LiveServer(tiny_bridge(tmp_path, kv_memory=24 * 8 * 512, preemption=mode))
+    # 24 blocks x 8 tokens for 8 clients of up to ~70 tokens each; tiers of 16 and 32 blocks
+    block = 8 * 512
+    offload = {"kv_offload_ram": 16 * block, "kv_offload_dir": str(tmp_path / "kv"),
+               "kv_offload_disk": 32 * (block + HEADER.size)} if tiers else {}
+    live = LiveServer(tiny_bridge(tmp_path, kv_memory=24 * block, preemption=mode, **offload))
     try:
         pool = [f"{CORPUS[i % 3][:30 + 7 * i]} ({i})" for i in range(12)]
         traffic = asyncio.run(run_traffic(live.url, MODEL_ID, 60, 8, pool, [8, 24, 40], max_requests=8))
@@ -34,8 +39,13 @@ def test_small_soak(tmp_path, mode):
         assert mismatches(engine.model, engine.tokenizer, traffic.completed) == []
         assert stats["preemptions"] > 0 and stats["swapped_out_blocks"] > 0
         assert leaked_blocks(cache) == 0 and cache["requests"] == []
+        if tiers:  # the tiers served prompt tokens, stayed within budget, and changed no output
+            assert stats["external_hits_tokens"] > 0
+            assert all(0 < t["used"] <= t["budget"] for t in stats["tiers"])
     finally:
         live.stop()
+    if tiers:
+        assert 0 < tier_bytes(tmp_path / "kv") <= offload["kv_offload_disk"]
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvlab-swap-*"))) == before
 
 

@@ -277,3 +277,35 @@ def test_a_large_pool_reads_at_a_glance(browser, tmp_path):
         ctx.close()
     finally:
         live.stop()
+
+
+def test_the_pool_view_shows_the_prefix_tiers(browser, tmp_path):
+    """A 16-block pool with a RAM and a disk tier: prompts that push each other out of the pool,
+    then the first again; the tiers' rows say what /api/cache counts (bytes, blocks, hits)."""
+    live = LiveServer(tiny_bridge(tmp_path, kv_memory=16 * 8 * 512, kv_offload_ram=2**20,
+                                  kv_offload_dir=str(tmp_path / "kv")))
+    try:
+        ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+        pg = ctx.new_page()
+        pg.goto(f"{live.url}/")
+        pg.wait_for_selector("body[data-ready=true]")
+        pg.click('nav button[data-view="live"]')
+        pg.wait_for_selector('[data-testid="tier-ram"]')
+        prompts = [f"document {i}: " + "the keys and values of every token " * 6 for i in range(4)]
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            for p in prompts + prompts[:1]:
+                http.post("/v1/completions", json={"model": MODEL_ID, "prompt": p, "max_tokens": 1,
+                                                   "temperature": 0}).raise_for_status()
+            tiers = {t["name"]: t for t in http.get("/api/cache").json()["stats"]["tiers"]}
+        assert tiers["ram"]["hits"] > 0
+        ram = tiers["ram"]
+        pg.wait_for_function("(h) => document.querySelector('[data-testid=tier-ram-summary]')"
+                             ".textContent.includes(`${h} hits`)", arg=f"{ram['hits']:,}")
+        said = _text(pg, "tier-ram-summary")
+        assert said.startswith("RAM: ") and f"({ram['blocks']:,} blocks)" in said
+        assert _text(pg, "tier-disk-summary").startswith("disk: ")
+        assert "prompt tokens loaded instead of computed" in _text(pg, "tiers")
+        pg.screenshot(path=str(SHOTS / "live-cache-tiers.png"), full_page=True)
+        ctx.close()
+    finally:
+        live.stop()

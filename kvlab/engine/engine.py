@@ -21,10 +21,9 @@ from kvlab.engine.output import OutputProcessor
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SeqStatus
-from kvlab.engine.tiers import (DiskTier, RamTier, TierChain, TierStats, default_disk_budget,
-                                file_digest, fingerprint)
+from kvlab.engine.tiers import DiskTier, RamTier, TierChain, TierStats, file_digest, fingerprint
 from kvlab.eviction import EvictionPolicy, make_policy
-from kvlab.hardware import system_memory
+from kvlab.hardware import default_disk_budget, system_memory
 from kvlab.layout import KVCapacity, LayerGroup, kv_cache_capacity, layer_groups, memory_budget
 from kvlab.models.llama import CausalLM
 from kvlab.models.parallel import weight_bytes

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import weakref
@@ -39,18 +38,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kvlab.layout import TIER_FILE_HEADER as HEADER
+
 log = logging.getLogger("kvlab.engine")
 
 BLOCK_FORMAT = 1  # bump when a block's byte layout changes: older files are then foreign
 MAGIC = b"KVLABKV\0"
-HEADER = struct.Struct("<8sI16s17sQI")  # magic, format, fingerprint, key, payload bytes, CRC-32
 SUFFIX = ".kvb"
 STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died
 SPARE_BYTES = 256 * 2**20  # read buffers kept for reuse: fresh ones cost a page fault per 4 KiB
 READERS = 16  # threads reading a run of disk blocks: 16 read 1.4x faster than 4 from a dropped page cache
 MAX_PENDING_BYTES = 256 * 2**20  # writes queued behind the step; beyond, a block is not written
-DEFAULT_DISK_FRACTION = 0.5  # --kv-offload-dir alone: half the file system's free space...
-DEFAULT_DISK_MAX = 10 * 2**30  # ...up to 10 GiB
 
 Key = bytes  # one byte of layer-group index + the block's 16-byte chained hash
 
@@ -383,18 +381,6 @@ class DiskTier:
                 self._hold(path, size)
         if self.stats.used > self.stats.budget:
             self._make_room(0)
-
-
-def default_disk_budget(directory: Path) -> int:
-    """``--kv-offload-dir`` without ``--kv-offload-disk``: half the free space, at most 10 GiB."""
-    probe = Path(directory)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        st = os.statvfs(probe)
-    except OSError:
-        return DEFAULT_DISK_MAX
-    return int(min(DEFAULT_DISK_MAX, st.f_bavail * st.f_frsize * DEFAULT_DISK_FRACTION))
 
 
 class TierChain:

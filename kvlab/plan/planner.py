@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 from kvlab.dtypes import StorageDtype, kv_dtype, weight_dtype
 from kvlab.layout import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacity, memory_budget
-from kvlab.hardware import Device, get_device, with_memory
+from kvlab.hardware import Device, default_disk_budget, disk_read_rate, get_device, with_memory
 from kvlab.plan import capacity, speed
+from kvlab.plan.tiers import TierPlan, disk_load, plan_tier, ram_load, recompute_seconds
 from kvlab.plan.engines import llamacpp, vllm
 from kvlab.plan.memory import PREFILL_CHUNK, kv_layout, kv_without_gqa, layer_breakdown, weights_split
 from kvlab.plan.parallel import check_tp, kv_split, layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
@@ -48,6 +49,12 @@ class PlanRequest:
     # the bytes a loaded model holds (outside routed experts, routed experts), in place of those
     # counted from the config: kvlab bench's bound for the model it ran (kvlab.models.weights.held_bytes)
     held_weights: tuple[int, int] | None = None
+    # the prefix tiers behind the engine's pool (kvlab.plan.tiers): budgets in bytes; the disk's
+    # read rate in bytes/s, else measured once on --kv-offload-dir's device
+    kv_offload_ram: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | None = None
+    disk_read_rate: float | None = None
 
     def validate(self, spec: ModelSpec) -> None:
         checks = [
@@ -65,6 +72,11 @@ class PlanRequest:
             (self.block_size >= 1, f"--block-size must be at least 1, got {self.block_size}"),
             (self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be at least 1, got {self.max_model_len}"),
+            (self.kv_offload_disk is None or self.kv_offload_dir is not None or self.disk_read_rate,
+             "--kv-offload-disk needs --kv-offload-dir (whose disk is measured) or --disk-read-rate"),
+            (self.disk_read_rate is None or self.disk_read_rate > 0, "--disk-read-rate must be positive"),
+            (self.disk_read_rate is None or self.kv_offload_dir is not None or self.kv_offload_disk,
+             "--disk-read-rate is the rate of a disk tier: give --kv-offload-disk or --kv-offload-dir"),
             (not self.dp_attention or spec.is_mla,
              f"--dp-attention is for MLA models, whose cache TP replicates; {spec.name} splits "
              f"its KV heads across TP ranks already"),
@@ -150,6 +162,9 @@ class Plan:
     engine_log_lines: list[str] = field(default_factory=list)
     engine_command: str | None = None
     engine_details: dict | None = None
+    # --kv-offload-*: each tier's capacity and load time against recomputing (kvlab.plan.tiers)
+    prefix_tiers: list[TierPlan] = field(default_factory=list)
+    recompute_seconds_per_token: float | None = None  # prefill of a --context prefix / its tokens
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -275,6 +290,22 @@ def engine_prediction(spec: ModelSpec, req: PlanRequest, device: Device, weights
     return None
 
 
+def prefix_tiers(spec: ModelSpec, req: PlanRequest, device: Device, kvd: StorageDtype, tp: int) -> list[TierPlan]:
+    """--kv-offload-ram / --kv-offload-dir / --kv-offload-disk: each tier planned, its crossover
+    searched up to the longest context the model takes."""
+    longest = max(req.context, spec.max_position_embeddings or 0)
+    tiers = []
+    if req.kv_offload_ram:
+        tiers.append(plan_tier(spec, "ram", req.kv_offload_ram, ram_load(device), kvd, req.block_size,
+                               device, tp, longest))
+    if req.kv_offload_dir is not None or req.kv_offload_disk:
+        budget = req.kv_offload_disk or default_disk_budget(req.kv_offload_dir)
+        rate = req.disk_read_rate or disk_read_rate(req.kv_offload_dir)
+        tiers.append(plan_tier(spec, "disk", budget, disk_load(device, rate), kvd, req.block_size,
+                               device, tp, longest))
+    return tiers
+
+
 # --- the plan -------------------------------------------------------------------------------
 
 def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
@@ -355,7 +386,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         except ValueError as e:
             notes.append(f"engine KV cache: {e}")
 
-    # 7. flags and the peer engine
+    # 7. the prefix tiers behind the pool
+    tiers = prefix_tiers(spec, req, device, kvd, tp)
+
+    # 8. flags and the peer engine
     flags = vllm_flags(req, kvd, tp, replicas, max_seqs, notes)
     if max_seqs < B:
         notes.append(f"{plural(B, 'user')} of {T:,} tokens {'does' if B == 1 else 'do'} not fit on "
@@ -395,7 +429,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         decode_flops_per_token=token_flops,
         decode_flops_per_byte=decode_compute(batch) / (weights_read(batch) + batch * per_seq_gpu),
         device_flops_per_byte=device.flops / device.bandwidth,
-        compute_bound_batch=speed.smallest_batch(compute_bound),
+        compute_bound_batch=speed.first_reached(compute_bound),
         ttft_seconds=max(flops / (device.flops * tp), (w_bytes / tp + per_seq_gpu) / device.bandwidth),
         prefill_flops=flops,
         crossover_batch=speed.crossover_batch(per_seq_gpu, weights_read),
@@ -409,6 +443,8 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         engine_log_lines=predicted[1] if predicted else [],
         engine_command=predicted[2] if predicted else None,
         engine_details=predicted[3] if predicted else None,
+        prefix_tiers=tiers,
+        recompute_seconds_per_token=recompute_seconds(spec, T, device, tp) / T if tiers else None,
     )
 
 
@@ -432,6 +468,11 @@ def _sources(weights: str, device: Device) -> dict[str, str]:
         "compute_bound_batch": "smallest batch whose FLOPs / peak >= its bytes / bandwidth at this context",
         "flops": "per token: 2 x active matrix params + per attention layer 2 x heads x "
                  "(head_dim + v_head_dim) x keys attended (kvlab.plan.speed.forward_flops)",
+        "prefix_tiers": "tokens held: budget // (block_size x bytes/token + a disk file's header per "
+                        "layer group) x block_size; load: bytes/token / the slowest stage (disk, host "
+                        "link; on CPU a RAM copy at half the read bandwidth); recompute: the prefix's "
+                        "prefill FLOPs / peak; crossover: the shortest whole-block prefix whose load "
+                        "takes no longer than its recompute (kvlab.plan.tiers)",
         "kv_cache_blocks": "(kv_memory - fp8 scales) // (block_size x kv_bytes_per_token); "
                            "max_concurrency = blocks / blocks one max_model_len sequence holds",
     }

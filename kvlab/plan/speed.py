@@ -114,13 +114,14 @@ def work_table(spec: ModelSpec, prompt: int, new_tokens: tuple[int, ...]) -> lis
     return rows
 
 
-def smallest_batch(reached: Callable[[int], bool], limit: int = 2**40) -> int | None:
-    """Smallest batch from which `reached(batch)` holds (None: not by `limit`). Both uses (cache
-    reads vs weight reads; compute vs memory time) compare a part linear in the batch with MoE
-    weight reads that saturate, so once reached it stays reached: double, then bisect."""
+def first_reached(reached: Callable[[int], bool], limit: int = 2**40) -> int | None:
+    """Smallest n >= 1 from which `reached(n)` holds (None: not by `limit`). Every use compares a
+    part linear in n with one that saturates (cache reads vs MoE weight reads; compute vs memory
+    time, in batches) or grows faster (a prefix's prefill vs its tier load, in blocks), so once
+    reached it stays reached: double, then bisect."""
     hi = 1
     while not reached(hi) and hi < limit:
-        hi *= 2
+        hi = min(2 * hi, limit)
     if not reached(hi):
         return None
     lo = hi // 2
@@ -134,4 +135,4 @@ def crossover_batch(per_seq: int, weights_read: Callable[[int], float]) -> int |
     """Smallest batch whose cache reads (batch x per_seq) reach the weight reads."""
     if not per_seq:
         return None
-    return smallest_batch(lambda b: b * per_seq >= weights_read(b))
+    return first_reached(lambda b: b * per_seq >= weights_read(b))

@@ -387,6 +387,38 @@ function drawBlockMap(c) {
   }));
 }
 
+// The prefix tiers behind the pool (--kv-offload-ram / --kv-offload-dir): each one's bytes held
+// against its budget, and the blocks it served, missed and took in since the server started.
+function drawTiers(s) {
+  const box = $('[data-testid="tiers"]');
+  box.hidden = !s.tiers.length;
+  if (!s.tiers.length) return;
+  const h = document.createElement("h3");
+  h.textContent = `Prefix tiers behind the pool: ${fmt.int(s.external_hits_tokens)} prompt tokens loaded ` +
+    `instead of computed`;
+  box.replaceChildren(h, ...s.tiers.map((t) => {
+    const row = document.createElement("div");
+    row.className = "tier";
+    row.dataset.testid = `tier-${t.name}`;
+    const bar = document.createElement("div");
+    bar.className = "poolbar";
+    const full = t.budget ? Math.min(1, t.used / t.budget) : 0;
+    const seg = cell("cached", `${fmt.bytes(t.used)} held`);
+    seg.style.width = `${100 * full}%`;
+    bar.append(seg);
+    const say = document.createElement("p");
+    say.className = "hint";
+    say.dataset.testid = `tier-${t.name}-summary`;
+    const asked = t.hits + t.misses;
+    say.textContent = `${t.name === "ram" ? "RAM" : "disk"}: ${fmt.bytes(t.used)} of ${fmt.bytes(t.budget)} ` +
+      `(${fmt.int(t.blocks)} blocks); ${fmt.int(t.hits)} hits, ${fmt.int(t.misses)} misses` +
+      (asked ? ` (${fmt.pct(t.hits / asked)} hit)` : "") + `, ${fmt.int(t.stored)} stored` +
+      (t.bad ? `, ${fmt.int(t.bad)} bad files dropped` : "") + (t.writable ? "" : "; not writable: serving what it holds");
+    row.append(bar, say);
+    return row;
+  }));
+}
+
 // Each request's block tables: logical block i (position in the row) -> physical block id.
 function blockTables(r, c) {
   const td = document.createElement("td");
@@ -417,6 +449,7 @@ async function pollCache() {
     ["running / waiting", `${s.running} / ${s.waiting}`, "queues"],
   ]);
   drawBlockMap(c);
+  drawTiers(s);
   $('[data-testid="live-requests"] tbody').replaceChildren(...c.requests.map((r) => {
     const tr = document.createElement("tr");
     for (const v of [r.id, r.status, r.num_tokens, r.num_cached_tokens]) {
