@@ -114,6 +114,7 @@ class BenchResult:
     held_weight_bytes: int = 0  # the weights the model holds, stored blocks as stored: each decode step's read
     held_formats: dict[str, int] = field(default_factory=dict)  # its matrices per format (weights.held_formats)
     weights: str = ""  # which matrices run as stored, and why (kvlab.models.loader.WeightsChoice)
+    activations: str = "fp32"  # the matmuls' inputs (--activations): fp32 exact, int8 lossy
     memory_bandwidth: float | None = None  # bytes/s: `kvlab plan --gpu cpu`'s measured figure
     prefill_peak_fraction: float | None = None  # achieved FLOP/s / matmul peak
     decode_peak_fraction: float | None = None  # achieved FLOP/s / matmul peak
@@ -286,6 +287,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
         prefill_seconds=phases.prefill_seconds, prefill_flops=phases.prefill_flops,
         decode_seconds=phases.decode_seconds, decode_flops=phases.decode_flops,
         decode_bytes=phases.decode_bytes, held_weight_bytes=sum(phases.weights), held_formats=held_formats(model),
+        activations=model.activations,
         notes=["requests arrived one after another, each once the previous one had its first "
                "token"] if staggered and len(reqs) > 1 else [],
     )

@@ -208,13 +208,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": loaded.model.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
                           "dtype_why": loaded.dtype.why, "weights": sorted(loaded.weights.formats),
+                          "activations": loaded.model.activations,
                           "weights_why": loaded.weights.why, "tokenizer": tok.source, "chat": args.chat, "tp": args.tp, "runner": runner,
                           "cpu_paths": dispatch.backends().line(),
                           **result.as_dict()}))
     else:
         print()
         print(result.figures() + (f" on each of {args.tp} ranks" if args.tp > 1 else "")
-              + f"; {loaded.dtype}; weights {loaded.weights}; {runner}", file=sys.stderr)
+              + f"; {loaded.dtype}; weights {loaded.weights}"
+              + ("; int8 activations (lossy: --activations fp32 is exact)" if loaded.model.activations == "int8" else "")
+              + f"; {runner}", file=sys.stderr)
     return 0
 
 

@@ -1,14 +1,17 @@
 """Every choice kvlab makes because of the CPU it runs on, each behind one switch read here, and
 the one rule that sets ``--deterministic``'s default.
 
-Three fast paths exist only on some x86 CPUs:
+The fast paths that exist only on some x86 CPUs:
 
 - ``KVLAB_KERNELS``: kvlab's native C kernels (``kvlab.kernels``), which need AVX2, FMA and a C
   compiler;
 - ``KVLAB_ONEDNN_BF16``: oneDNN's packed bf16 matmul, which PyTorch runs only on CPUs with
   AVX-512 or AVX-NE-CONVERT bf16 support (a probe decides);
 - ``KVLAB_AVX512``: the native kernels' AVX-512 loops for weights in GGUF block formats, which
-  give the AVX2 loops' results bit for bit (two weight rows per register, each the same chain).
+  give the AVX2 loops' results bit for bit (two weight rows per register, each the same chain);
+- ``KVLAB_VNNI`` and ``KVLAB_AVX_VNNI``: ``--activations int8``'s dot products by vpdpbusd in
+  AVX512-VNNI's encoding (taken first) or AVX-VNNI's, instead of AVX2's vpmaddubsw + vpmaddwd:
+  the same integer sums, so the same bits.
 
 A switch set to ``off`` (also ``0``, ``no``, ``false``) makes every kvlab decision take the
 branch a CPU without the feature takes, so every branch can be run, and tested, on a machine
@@ -37,6 +40,8 @@ SWITCHES = {
     "KVLAB_KERNELS": "kvlab's native C kernels (AVX2 + FMA, built with the system's C compiler)",
     "KVLAB_ONEDNN_BF16": "oneDNN's packed bf16 matmul (CPUs with AVX-512 or AVX-NE-CONVERT bf16)",
     "KVLAB_AVX512": "the native kernels' AVX-512 loops for GGUF block formats (bitwise the AVX2 ones)",
+    "KVLAB_VNNI": "the int8 activations' dot products by AVX512-VNNI with VL (bitwise the AVX2 ones)",
+    "KVLAB_AVX_VNNI": "the int8 activations' dot products by AVX-VNNI where AVX512-VNNI is not taken",
 }
 _OFF = ("off", "0", "no", "false")
 
@@ -104,6 +109,30 @@ def avx512_kernels() -> Feature:
     return Feature("KVLAB_AVX512", True, "this CPU has AVX-512 F and DQ")
 
 
+def vnni_kernels() -> tuple[Feature, Feature]:
+    """Which VNNI encoding the int8 activations' dot products take here (AVX512-VNNI's first,
+    then AVX-VNNI's, else AVX2's), applied as ``avx512_kernels``. A feature is on where the CPU
+    has it and its switch allows it, so turning either off leaves the other to run."""
+    if not native_kernels():
+        return (Feature("KVLAB_VNNI", False, "the native kernels do not run here"),
+                Feature("KVLAB_AVX_VNNI", False, "the native kernels do not run here"))
+    from kvlab import kernels
+
+    has = kernels.status().vnni
+    features = []
+    for switch, encoding, name in (("KVLAB_VNNI", "avx512", "AVX512-VNNI with VL"),
+                                   ("KVLAB_AVX_VNNI", "avx", "AVX-VNNI")):
+        if switched_off(switch):
+            features.append(Feature(switch, False, f"{switch}=off"))
+        elif encoding not in has:
+            features.append(Feature(switch, False, f"this CPU lacks {name}"))
+        else:
+            features.append(Feature(switch, True, f"this CPU has {name}"))
+    on = [encoding for f, encoding in zip(features, ("avx512", "avx")) if f.on]
+    kernels.set_vnni(on[0] if on else None)
+    return features[0], features[1]
+
+
 @dataclass(frozen=True)
 class Backends:
     """What runs here, decided once per process (``backends()``): the models' layers, the
@@ -112,9 +141,11 @@ class Backends:
     native: Feature  # kvlab's C kernels (KVLAB_KERNELS)
     avx512: Feature  # their AVX-512 loops for block formats (KVLAB_AVX512)
     onednn_bf16: Feature  # oneDNN's packed bf16 matmul (KVLAB_ONEDNN_BF16)
+    vnni: Feature  # the int8 activations' dot products by AVX512-VNNI (KVLAB_VNNI)
+    avx_vnni: Feature  # ... by AVX-VNNI where AVX512-VNNI is not taken (KVLAB_AVX_VNNI)
 
     def features(self) -> list[Feature]:
-        return [self.native, self.avx512, self.onednn_bf16]
+        return [self.native, self.avx512, self.onednn_bf16, self.vnni, self.avx_vnni]
 
     def line(self) -> str:
         """The one report: every switch, on or off, and why."""
@@ -155,7 +186,7 @@ class Backends:
 def backends() -> Backends:
     """This process's decision (the switches are read once: tests that flip one clear this
     cache, as a fresh process would read it)."""
-    return Backends(native_kernels(), avx512_kernels(), onednn_bf16())
+    return Backends(native_kernels(), avx512_kernels(), onednn_bf16(), *vnni_kernels())
 
 
 def report() -> list[Feature]:

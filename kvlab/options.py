@@ -54,6 +54,9 @@ def check_torchrun_tp(tp: int) -> None:
                          f"each process is one rank, so pass --tp {where.world_size}")
 
 
+ACTIVATIONS = ("fp32", "int8")
+
+
 def byte_size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -101,6 +104,10 @@ class ModelOptions:
                              positional=True, nargs="?")
     dtype: str = _opt("auto", MODEL_DTYPE_HELP)
     weights: str = _opt("auto", WEIGHTS_HELP)
+    activations: str = _opt("fp32", "the matmuls' inputs: fp32 (default: exact) or int8 (the GGUF "
+                            "Q8_0/Q4_0/Q4_1/Q5_0 layers held as stored quantise each input row per 32 "
+                            "values and run integer dot products: faster prefill and batches, lossy)",
+                            choices=ACTIVATIONS)
     device: str = _opt("cpu", "cpu (default), cuda, or auto")
     random_weights: bool = _opt(False, "random weights from the config (seeded by --seed)", action="store_true")
     seed: int | None = _opt(None, "seed of --random-weights (default 0), and of the command's own randomness "

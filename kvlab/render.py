@@ -256,6 +256,9 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
               f"matrices {matrices}" + (f"; {r.weights}" if r.weights else "") + "; each decode step reads them")
     if r.linear_kernel:
         t.add_row("linear layers", "", r.linear_kernel)
+    if r.activations == "int8":
+        t.add_row("activations", "int8", "the stored 32-weight layers' input rows quantised per 32 values: "
+                  "faster, lossy (--activations fp32 is exact)")
     if r.cpu_paths:
         t.add_row("CPU paths", "", r.cpu_paths)
     if r.deterministic:

@@ -10,7 +10,7 @@ PY=${PY:-.venv/bin/python}
 # the tests whose paths or answers depend on the CPU's features
 TESTS=(tests/test_kernels.py tests/test_deterministic.py tests/test_memory.py tests/test_models.py
        tests/test_engine_parity.py tests/test_logprobs.py tests/test_weights.py
-       tests/test_engine_attention.py tests/test_kernel_binding.py
+       tests/test_engine_attention.py tests/test_kernel_binding.py tests/test_act8.py
        "tests/test_gguf.py::test_smollm2_answers_paris_from_the_cli"
        "tests/test_cli_text.py::test_measure_explains_bf16_differences_and_fp32_agrees"
        "tests/test_tiers.py::test_blocks_that_leave_the_pool_come_back_from_ram_bitwise"

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from kvlab import dispatch, kernels
 from kvlab.engine.llm import LLM
-from kvlab.models.invariant import SPLIT, BatchInvariantError, check_linears, split_attention
+from kvlab.models.invariant import (SPLIT, BatchInvariantError, check_attention, check_linears, split_attention,
+                                   stable_row_block)
 from kvlab.models.llama import Linear
 from kvlab.models.methods import Gemm
 from kvlab.models.loader import build_model, init_random_
@@ -58,8 +59,8 @@ def outcome(out) -> tuple:
 def test_linear_rows_are_stable_once_padded_to_the_probed_block():
     torch.manual_seed(0)
     layer = Linear(96, 80, bias=True)  # PyTorch's GEMM, whose rows need the padding (the native kernel's do not)
-    block = check_linears([layer], torch.float32, torch.device("cpu"))
-    layer.method = Gemm(row_block=block)
+    block, calls = check_linears([layer], torch.float32, torch.device("cpu"))
+    layer.method = Gemm(row_block=block, row_calls=calls)
     x = torch.randn(50, 96)
     with torch.inference_mode():
         alone = layer(x[:1])[0]
@@ -70,6 +71,39 @@ def test_linear_rows_are_stable_once_padded_to_the_probed_block():
                 assert torch.equal(layer(batch)[pos], alone), (block, m, pos)
     with pytest.raises(BatchInvariantError, match="CPU only"):
         check_linears([layer], torch.float32, torch.device("meta"))
+
+
+class _SplitsLongBatches(torch.nn.Module):
+    """A GEMM as MKL's fp32 runs 1,536-wide rows at 2 threads on a Xeon with AMX: the reduction
+    order follows the batch's size (here: a last-bit offset past 8 rows, another past 40), so no
+    padding is stable."""
+
+    in_features, out_features = 48, 24
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.randn(24, 48, generator=torch.Generator().manual_seed(2))
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        for _ in range((x.shape[0] > 8) + (x.shape[0] > 40)):
+            y = torch.nextafter(y, y + 1)
+        return y
+
+
+def test_a_gemm_that_splits_long_batches_runs_one_call_per_block():
+    layer = _SplitsLongBatches()
+    assert check_linears([layer], torch.float32, torch.device("cpu")) == (1, True)
+    gemm = Gemm(row_block=1, row_calls=True)
+    x = torch.randn(20, 48)
+    assert torch.equal(gemm(x, layer.weight, None), torch.cat([x[i:i + 1] @ layer.weight.T for i in range(20)]))
+    assert stable_row_block(layer, 48, torch.float32, torch.device("cpu")) is None  # padding: never stable
+
+
+def test_attention_probe_refuses_a_device_it_cannot_hold_stable():
+    assert check_attention({64, 32}, torch.device("cpu")) in (1, 2, 4, 8, 16)
+    with pytest.raises(BatchInvariantError, match="CPU only"):
+        check_attention({64}, torch.device("meta"))
 
 
 def test_split_attention_is_attention_and_ignores_what_else_is_in_the_batch():

@@ -172,6 +172,8 @@ def test_metrics_and_health(http):
                  "kvlab_inter_token_latency_seconds_count"):
         assert re.search(rf"^{name}(\{{.*\}})? ", r.text, re.M), name
     assert _metric(http, "kvlab_time_to_first_token_seconds_count") >= 1
+    # which mode runs: the exact default
+    assert re.search(r'^kvlab_model_info\{.*activations="fp32".*\} 1\.0$', r.text, re.M)
     assert _metric(http, "kvlab_inter_token_latency_seconds_count") >= 4
     c = _cache(http)
     assert _metric(http, "kvlab_prefix_cache_queries_total") == c["stats"]["prefix_queries_tokens"] > 0

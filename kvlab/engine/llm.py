@@ -32,9 +32,9 @@ class LLM:
     """A model behind the paged engine. ``model``: a GGUF file, a checkpoint folder, a bundled name
     (default ``smollm2-135m``), a catalogue name / config.json with ``random_weights=True``, or a
     built CausalLM.
-    Every ModelOptions field but ``model`` (dtype, weights, device, random_weights, seed, threads)
-    and every EngineOptions field (block_size, kv_memory, kv_dtype, tp, ...) is a keyword argument,
-    with the same defaults as the CLI flags (kvlab.options). For a built CausalLM only ``device``
+    Every ModelOptions field but ``model`` (dtype, weights, activations, device, random_weights,
+    seed, threads) and every EngineOptions field (block_size, kv_memory, kv_dtype, tp, ...) is a
+    keyword argument, with the same defaults as the CLI flags (kvlab.options). For a built CausalLM only ``device``
     of the model's fields applies. With ``tp=N`` the model runs as N worker processes on
     ``device`` (see kvlab.engine.executor)."""
 

@@ -58,6 +58,9 @@ from kvlab.kernels import binding
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "rowwise.c", "layer.c", "pool.c")]
 HEADER = Path(__file__).with_name("kvlab.h")  # every exported function and shared struct (binding.py)
+_CONSTANTS = binding.read(HEADER).constants
+ACT8 = _CONSTANTS["KVLAB_ACT8"]  # a block format's code | ACT8: int8 activations
+VNNI = {"avx512": _CONSTANTS["KVLAB_VNNI_512"], "avx": _CONSTANTS["KVLAB_VNNI_AVX"]}  # set_vnni's encodings
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # all of them in the build's hash
 # -ffp-contract=off: a product is never fused into an add behind the source's back (the row-wise
 # ops round each step as PyTorch's eager ops do)
@@ -74,6 +77,7 @@ class Status:
     available: bool
     detail: str  # the library's path, or why PyTorch's matmul runs instead
     avx512: bool = False  # this CPU can run the block formats' AVX-512 loops (``set_avx512``)
+    vnni: tuple[str, ...] = ()  # the VNNI encodings this CPU runs (``set_vnni``)
 
 
 @functools.cache
@@ -109,7 +113,9 @@ def _load() -> tuple[ctypes.CDLL | None, Status]:
     binding.bind(lib, binding.read(HEADER))
     wide = bool(lib.kvlab_set_avx512(1))  # this CPU has the loops; they stay off until asked for
     lib.kvlab_set_avx512(0)
-    return lib, Status(True, str(path), wide)
+    vnni = tuple(name for name, code in VNNI.items() if lib.kvlab_set_vnni(code))
+    lib.kvlab_set_vnni(0)
+    return lib, Status(True, str(path), wide, vnni)
 
 
 def _profiled(name: str) -> contextlib.AbstractContextManager:
@@ -130,6 +136,30 @@ def set_avx512(on: bool) -> bool:
     lib = _load()[0]
     assert lib is not None
     return bool(lib.kvlab_set_avx512(int(on)))
+
+
+def set_vnni(encoding: str | None) -> bool:
+    """Run the int8 activations' dot products with VNNI's vpdpbusd in ``encoding`` ("avx512":
+    AVX512-VNNI with VL; "avx": AVX-VNNI), where the CPU has it, or with AVX2's (None); the
+    integers, so the results, are the same. Returns whether it runs. AVX2's until
+    ``kvlab.dispatch`` chooses."""
+    lib = _load()[0]
+    assert lib is not None
+    return bool(lib.kvlab_set_vnni(VNNI[encoding] if encoding else 0))
+
+
+def quantize_act8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(q [M, K] int8, d [M, K / 32] fp32, s [M, K / 32] int32) of fp32 x [M, K] as the int8
+    activations quantise it: per 32 values d = max|x| / 127, q = round(x / d), s = sum q."""
+    lib = _load()[0]
+    assert lib is not None and x.dtype == torch.float32 and x.shape[1] % 32 == 0
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32, dtype=torch.float32)
+    s = torch.empty(m, k // 32, dtype=torch.int32)
+    lib.kvlab_quantize_act8(x.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), m, k, torch.get_num_threads())
+    return q, d, s
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:
@@ -153,7 +183,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = Fals
 def linear_q(x: Tensor, blocks: Tensor, fmt: int, bias: Tensor | None) -> Tensor:
     """x @ W^T (+ bias) for fp32 x [M, K] (contiguous) and W stored as ``blocks`` [N, K / block
     weights x block bytes] (uint8, contiguous) in block format ``fmt`` (``kvlab.models.weights``): bitwise
-    ``linear(x, W, bias)`` on the dequantised W."""
+    ``linear(x, W, bias)`` on the dequantised W; ``fmt | ACT8`` (a 32-weight format): x's rows
+    quantised to int8 first (``quantize_act8``) and multiplied by integer dot products."""
     lib = _load()[0]
     assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and blocks.is_contiguous()
     m, k = x.shape

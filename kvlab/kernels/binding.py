@@ -31,6 +31,7 @@ SCALARS: dict[str, Any] = {
 # the preprocessor lines it skips; any other (#if, #ifdef, ...) could hide a declaration from C
 PREPROCESSOR = re.compile(r"#\s*(include|define|ifndef|endif)\b")
 NAME = r"[A-Za-z_]\w*"
+CONSTANT = re.compile(rf"#\s*define\s+(?P<name>KVLAB_\w+)\s+(?P<value>-?\d+)\b")  # integers Python reads too
 FUNCTION = re.compile(rf"(?:(?P<export>{EXPORT})\s+)?(?P<ret>[\w\s*]+?)\s*\b(?P<name>{NAME})\s*\((?P<args>[^()]*)\)")
 FUNCTION_POINTER = re.compile(rf"typedef\s+[\w\s*]+\(\s*\*\s*(?P<name>{NAME})\s*\)\s*\([^()]*\)")
 STRUCT = re.compile(rf"typedef\s+struct\s*\{{(?P<body>[^{{}}]*)\}}\s*(?P<name>{NAME})")
@@ -55,6 +56,7 @@ class Header:
     functions: dict[str, Function]  # the KVLAB_API ones, in the header's order
     internal: tuple[str, ...]  # the functions the .c files share among themselves only
     structs: dict[str, type[ctypes.Structure]]
+    constants: dict[str, int]  # its `#define KVLAB_NAME <integer>` lines
 
 
 def _statements(path: Path) -> list[tuple[int, str]]:
@@ -119,6 +121,7 @@ def _struct(name: str, body: str, structs: dict[str, type[ctypes.Structure]], wh
 
 def parse(path: Path) -> Header:
     """Read a header in kvlab.h's subset of C (see its first comment)."""
+    constants = {m["name"]: int(m["value"]) for m in CONSTANT.finditer(path.read_text())}
     functions: dict[str, Function] = {}
     internal: list[str] = []
     structs: dict[str, type[ctypes.Structure]] = {}
@@ -147,7 +150,7 @@ def parse(path: Path) -> Header:
                 types.append(_ctype(d["type"], structs, f"{where}: argument {d['name']} of {m['name']}"))
             restype = _ctype(m["ret"], structs, f"{where}: the result of {m['name']}", result=True)
             functions[m["name"]] = Function(m["name"], restype, tuple(types), line)
-    return Header(path, functions, tuple(internal), structs)
+    return Header(path, functions, tuple(internal), structs, constants)
 
 
 @functools.cache

@@ -32,6 +32,9 @@ typedef struct {
     int fmt;
 } kvlab_part;
 #define KVLAB_MAX_PARTS 3 /* parts per kvlab_linear_parts call at most */
+/* kvlab_part.fmt's flag on a 32-weight block format (Q8_0, Q4_0, Q4_1, Q5_0): the fp32 input rows
+   are quantised to int8 blocks and multiplied by integer dot products (act8.h) */
+#define KVLAB_ACT8 64
 
 /* One layer of a kvlab_decoder_layers stack: w its 16 weight pointers (layer.c's order), fmt its seven matrices' formats, H / KV heads, I the MLP's width, eps the norms'. */
 typedef struct {
@@ -52,11 +55,18 @@ KVLAB_API void kvlab_linear_bf16(const uint16_t *x, const uint16_t *w, const uin
 /* linear.c: bf16 inputs, fp32 outputs (the LM head's logits): the same sums, not rounded. */
 KVLAB_API void kvlab_linear_bf16_f32(const uint16_t *x, const uint16_t *w, const uint16_t *b, float *y,
                                      long M, long N, long K, int threads);
-/* linear.c: fp32 rows x [M, K] against a weight [N, K] stored in GGUF block format fmt. */
+/* linear.c: fp32 rows x [M, K] against a weight [N, K] stored in GGUF block format fmt (| KVLAB_ACT8: int8 activations). */
 KVLAB_API void kvlab_linear_q(const float *x, const uint8_t *w, const float *b, float *y, long M, long N,
                               long K, int fmt, int threads);
 /* linear.c: the fp32 values [rows, K] of a weight in block format fmt, exactly gguf.quants'. */
 KVLAB_API void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, int threads);
+/* linear.c: x [M, K] fp32 quantised as --activations int8 does: q [M, K], per 32 values a scale d and the sum s of q. */
+KVLAB_API void kvlab_quantize_act8(const float *x, int8_t *q, float *d, int32_t *s, long M, long K, int threads);
+/* kvlab_set_vnni's encodings of vpdpbusd (0: AVX2's vpmaddubsw + vpmaddwd) */
+#define KVLAB_VNNI_512 1 /* AVX512-VNNI with VL */
+#define KVLAB_VNNI_AVX 2 /* AVX-VNNI */
+/* linear.c: the int8 activations' dot products in encoding want if the CPU has it (0: AVX2's); returns whether it runs. */
+KVLAB_API int kvlab_set_vnni(int want);
 /* linear.c: take the block formats' AVX-512 loops if wanted and the CPU has them; returns whether they run. */
 KVLAB_API int kvlab_set_avx512(int want);
 /* attention.c: softmax(q K^T * scale) V per query row over the paged cache; returns 1 when out of memory. */

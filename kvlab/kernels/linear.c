@@ -21,6 +21,7 @@
  */
 #include <stdlib.h>
 
+#include "act8.h"
 #include "blocks.h"
 #include "kblocks.h"
 #include "kvlab.h"
@@ -31,6 +32,7 @@
 #define PF_TILES 2 /* block-format weight tiles prefetched ahead (past the end: harmless) */
 
 static int use512; /* kvlab_set_avx512: the block formats' AVX-512 loops, bitwise the AVX2 ones */
+static int use_vnni; /* kvlab_set_vnni: KVLAB_VNNI_512, KVLAB_VNNI_AVX or 0 (AVX2), bitwise alike */
 
 
 /* Input rows m0..m0+mb-1 against weight rows n0..n0+nn-1 (nn <= nb); mb, nb and bf16 are
@@ -308,6 +310,134 @@ static inline __attribute__((always_inline)) void btail(const float *x, const fl
 QTILES(qtiles, qtile, dtile, btile, MB, btail, __attribute__((always_inline)))
 QTILES(qtiles512_fmt, qtile512, dtile512, btile512, MB512, btail512, T512)
 
+/* --activations int8 (act8.h): quantised input rows m0..m0+mb-1 against weight rows n0..n0+nn-1
+ * in 32-weight block format fmt, one block of every row at a time. DOT is act8_dot_avx2,
+ * act8_dot_vnni or act8_dot_avxvnni: the same integers. */
+#define ACT8_TILE(NAME, DOT, ATTR)                                                                          \
+    static inline ATTR void NAME(const act8_rows *xa, const uint8_t *w, const float *b, float *y, long m0,   \
+                                 const int mb, long n0, const int nb, long nn, long N, const int fmt) {     \
+        const long K = xa->K, bb = BLOCK_BYTES[fmt], nblk = K / QK, rb = nblk * bb;                         \
+        const int offset = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;                                          \
+        const uint8_t *wr[NB_MAX];                                                                          \
+        for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;                             \
+        __m256 acc[MB][NB_MAX];                                                                             \
+        float extra[MB][NB_MAX]; /* Q4_1's m_w d_x s, summed apart */                                       \
+        for (int i = 0; i < mb; i++)                                                                        \
+            for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps(), extra[i][j] = 0.0f;              \
+        for (long kb = 0; kb < nblk; kb++) {                                                                \
+            __m256i wv[NB_MAX];                                                                             \
+            float dw[NB_MAX], mw[NB_MAX];                                                                   \
+            for (int j = 0; j < nb; j++) {                                                                  \
+                const uint8_t *blk = wr[j] + kb * bb;                                                       \
+                _mm_prefetch((const char *)(blk + PF_TILES * nb * rb), _MM_HINT_T0);                        \
+                wv[j] = act8_weights(blk, fmt);                                                             \
+                dw[j] = half_at(blk);                                                                       \
+                mw[j] = fmt == Q4_1 ? half_at(blk + 2) : 0.0f;                                              \
+            }                                                                                               \
+            for (int i = 0; i < mb; i++) {                                                                  \
+                const long at = (m0 + i) * nblk + kb;                                                       \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xa->q + at * QK));                  \
+                const float dx = xa->d[at];                                                                 \
+                const int32_t sx = xa->s[at];                                                               \
+                const __m256i off = _mm256_setr_epi32(offset * sx, 0, 0, 0, 0, 0, 0, 0);                    \
+                for (int j = 0; j < nb; j++) {                                                              \
+                    const __m256i p = _mm256_sub_epi32(DOT(wv[j], xv, fmt), off);                           \
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[j] * dx), acc[i][j]); \
+                    if (fmt == Q4_1) extra[i][j] += mw[j] * (dx * (float)sx);                               \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int i = 0; i < mb; i++)                                                                        \
+            for (int j = 0; j < nn; j++) {                                                                  \
+                float v = hsum(acc[i][j]) + extra[i][j];                                                    \
+                if (b) v += b[n0 + j];                                                                      \
+                y[(m0 + i) * N + n0 + j] = v;                                                               \
+            }                                                                                               \
+    }
+ACT8_TILE(act8_tile, act8_dot_avx2, __attribute__((always_inline)))
+ACT8_TILE(act8_tile_vnni, act8_dot_vnni, T_VNNI)
+ACT8_TILE(act8_tile_avxvnni, act8_dot_avxvnni, T_AVXVNNI)
+
+/* One weight tile (weight rows n0.., input rows block..end) of an int8-activation part: 8 weight
+ * rows for one input row, else MB input rows against 4 at a time. */
+#define ACT8_TILES(NAME, TILE, ATTR)                                                                       \
+    static inline ATTR void NAME(const act8_rows *xa, const kvlab_part *part, long n0, int nb, long block, \
+                                 long end, long M, const int fmt) {                                        \
+        const long N = part->N, nn = N - n0 < nb ? N - n0 : nb;                                            \
+        if (M == 1) {                                                                                      \
+            TILE(xa, part->w, part->b, part->y, 0, 1, n0, 8, nn, N, fmt);                                  \
+            return;                                                                                        \
+        }                                                                                                  \
+        long m0 = block;                                                                                   \
+        for (; m0 + MB <= end; m0 += MB) TILE(xa, part->w, part->b, part->y, m0, MB, n0, 4, nn, N, fmt);   \
+        if (end - m0 == 2) TILE(xa, part->w, part->b, part->y, m0, 2, n0, 4, nn, N, fmt);                  \
+        else if (end - m0 == 1) TILE(xa, part->w, part->b, part->y, m0, 1, n0, 4, nn, N, fmt);             \
+    }
+ACT8_TILES(act8_tiles_fmt, act8_tile, __attribute__((always_inline)))
+ACT8_TILES(act8_tiles_vnni_fmt, act8_tile_vnni, T_VNNI)
+ACT8_TILES(act8_tiles_avxvnni_fmt, act8_tile_avxvnni, T_AVXVNNI)
+
+/* The format as a constant inside each; the VNNI loop not inlined into linear(): its code runs
+ * only where kvlab_set_vnni found the CPU's. */
+static void act8_tiles(const act8_rows *xa, const kvlab_part *part, long n0, int nb, long block, long end, long M) {
+    switch (part->fmt & ~KVLAB_ACT8) {
+    case Q8_0: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q8_0); break;
+    case Q4_0: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q4_0); break;
+    case Q4_1: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q4_1); break;
+    default: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q5_0); break;
+    }
+}
+
+#define ACT8_BY_FORMAT(NAME, FMT_TILES, TARGET)                                                             \
+    static __attribute__((target(TARGET), noinline)) void NAME(const act8_rows *xa, const kvlab_part *part, \
+                                                               long n0, int nb, long block, long end, long M) { \
+        switch (part->fmt & ~KVLAB_ACT8) {                                                                   \
+        case Q8_0: FMT_TILES(xa, part, n0, nb, block, end, M, Q8_0); break;                                  \
+        case Q4_0: FMT_TILES(xa, part, n0, nb, block, end, M, Q4_0); break;                                  \
+        case Q4_1: FMT_TILES(xa, part, n0, nb, block, end, M, Q4_1); break;                                  \
+        default: FMT_TILES(xa, part, n0, nb, block, end, M, Q5_0); break;                                    \
+        }                                                                                                    \
+    }
+ACT8_BY_FORMAT(act8_tiles_vnni, act8_tiles_vnni_fmt, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+ACT8_BY_FORMAT(act8_tiles_avxvnni, act8_tiles_avxvnni_fmt, "avx2,fma,f16c,avxvnni")
+
+/* kvlab_quantize_act8's arguments, for the pool's chunks of rows. */
+typedef struct {
+    const float *x;
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    long K;
+} quantize_job;
+
+static void quantize_rows(void *arg, long r0, long r1) {
+    const quantize_job *job = arg;
+    const long nblk = job->K / QK;
+    for (long r = r0; r < r1; r++)
+        for (long kb = 0; kb < nblk; kb++) {
+            const long at = r * nblk + kb;
+            act8_block(job->x + at * QK, job->q + at * QK, job->d + at, job->s + at);
+        }
+}
+
+void kvlab_quantize_act8(const float *x, int8_t *q, float *d, int32_t *s, long M, long K, int threads) {
+    quantize_job job = {x, q, d, s, K};
+    kvlab_parallel(M, 0, threads, quantize_rows, &job);
+}
+
+/* The calling thread's buffer for a call's quantised rows (K / 32 blocks of 32 + 8 bytes a row),
+ * kept for its next call. */
+static uint8_t *act8_buffer(long bytes) {
+    static __thread uint8_t *buf;
+    static __thread long cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
 /* kvlab_dequantize's arguments, for the pool's chunks of blocks (pool.c). */
 typedef struct {
     const uint8_t *w;
@@ -336,6 +466,7 @@ typedef struct {
     long first[KVLAB_MAX_PARTS + 1]; /* each part's first tile in the joint numbering */
     long M, K, block, end;           /* input rows block..end-1 of M pass over the tiles */
     int nb;                          /* weight rows per tile */
+    act8_rows xa;                    /* x quantised, where a part takes int8 activations */
 } linear_job;
 
 /* Weight tiles [t0, t1) of the parts against input rows block..end-1. */
@@ -348,6 +479,13 @@ static inline __attribute__((always_inline)) void linear_tiles(const linear_job 
     for (long t = t0; t < t1; t++) {
         int p = 0;
         while (t >= job->first[p + 1]) p++;
+        if (parts[p].fmt & KVLAB_ACT8) {
+            const long q0 = (t - job->first[p]) * nb;
+            if (use_vnni == KVLAB_VNNI_512) act8_tiles_vnni(&job->xa, &parts[p], q0, nb, block, end, M);
+            else if (use_vnni == KVLAB_VNNI_AVX) act8_tiles_avxvnni(&job->xa, &parts[p], q0, nb, block, end, M);
+            else act8_tiles(&job->xa, &parts[p], q0, nb, block, end, M);
+            continue;
+        }
         if (!bf16 && parts[p].fmt != DENSE) { /* the format, a constant inside each call */
             const long q0 = (t - job->first[p]) * nb;
             if (use512) {
@@ -390,6 +528,21 @@ static void linear(const void *x, const kvlab_part *parts, int np, long M, long 
     linear_job job = {.x = x, .parts = parts, .M = M, .K = K, .nb = M == 1 ? 8 : 4};
     /* one row: more weight rows in flight per pass over x */
     for (int p = 0; p < np; p++) job.first[p + 1] = job.first[p] + (parts[p].N + job.nb - 1) / job.nb;
+    int act8 = 0;
+    for (int p = 0; p < np; p++) act8 |= parts[p].fmt & KVLAB_ACT8;
+    kvlab_part exact[KVLAB_MAX_PARTS];
+    const long blocks = M * (K / QK);
+    uint8_t *buf = act8 ? act8_buffer(blocks * (QK + 8)) : NULL;
+    if (act8 && !buf) { /* out of memory for the quantised rows: these parts take fp32 rows */
+        for (int p = 0; p < np; p++) exact[p] = parts[p], exact[p].fmt &= ~KVLAB_ACT8;
+        job.parts = exact;
+    } else if (act8) { /* the parts share x: quantised once, before any tile reads it */
+        int8_t *q = (int8_t *)buf;
+        float *d = (float *)(buf + blocks * QK);
+        int32_t *s = (int32_t *)(d + blocks);
+        kvlab_quantize_act8(x, q, d, s, M, K, threads);
+        job.xa = (act8_rows){q, d, s, K};
+    }
     const kvlab_task task = !bf16 ? tiles_f32 : ybf16 ? tiles_bf16 : tiles_bf16_f32;
     /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
     for (job.block = 0; job.block < M; job.block += MBLOCK) {
@@ -458,6 +611,17 @@ static void dequantize_units(void *arg, long i0, long i1) {
 void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, int threads) {
     dequantize_job job = {w, out, fmt};
     kvlab_parallel(rows * (K / (QK * UNIT_BLOCKS(fmt))), 2048 / UNIT_BLOCKS(fmt), threads, dequantize_units, &job);
+}
+
+/* Take the int8 activations' dot products in VNNI encoding `want` (KVLAB_VNNI_512: AVX512-VNNI
+ * with VL; KVLAB_VNNI_AVX: AVX-VNNI; 0: AVX2's) if this CPU has it; returns whether it runs. */
+int kvlab_set_vnni(int want) {
+    __builtin_cpu_init();
+    const int has = want == KVLAB_VNNI_512 ? __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+                  : want == KVLAB_VNNI_AVX ? __builtin_cpu_supports("avxvnni")
+                                           : 0;
+    use_vnni = has ? want : 0;
+    return has;
 }
 
 /* Take the AVX-512 loops if asked and this CPU (and its OS) has AVX-512 F and DQ; returns

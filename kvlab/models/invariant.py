@@ -25,6 +25,7 @@ PyTorch build. These are fixed for one run.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -40,49 +41,99 @@ class BatchInvariantError(ValueError):
     """The backend cannot give batch-invariant results (the message says what to do)."""
 
 
-def stable_row_block(linear: nn.Module, in_features: int, dtype: torch.dtype,
-                     device: torch.device) -> int | None:
-    """The smallest candidate r such that one input row gives the same output row at every
-    position of every batch of a multiple of r rows (as far as the probe's batches show), or None."""
+def stable_row_block(linear: Callable[[Tensor], Tensor], in_features: int, dtype: torch.dtype,
+                     device: torch.device, row_calls: bool = False,
+                     candidates: tuple[int, ...] = ROW_CANDIDATES) -> int | None:
+    """The smallest of ``candidates`` r such that one input row gives the same output row at every
+    position of every batch of a multiple of r rows (as far as the probe's batches show), or None;
+    ``row_calls``: each batch passed as calls of r rows each."""
     gen = torch.Generator().manual_seed(0)
-    filler = torch.randn(max(ROW_CANDIDATES) * max(_PROBE_BLOCKS), in_features, generator=gen)
+    filler = torch.randn(max(candidates) * max(_PROBE_BLOCKS), in_features, generator=gen)
     filler = filler.to(device=device, dtype=dtype)
     row = filler[-1:]
     with torch.inference_mode():
-        for r in ROW_CANDIDATES:
+        for r in candidates:
             outputs = []
             for blocks in _PROBE_BLOCKS:
                 m = r * blocks
                 at = torch.arange(0, m, max(1, m // 7)).tolist() + [m - 1]  # spread over the batch
                 x = filler[:m].clone()
                 x[at] = row
-                outputs.append(linear(x)[at])
+                y = torch.cat([linear(x[i:i + r]) for i in range(0, m, r)]) if row_calls else linear(x)
+                outputs.append(y[at])
             first = outputs[0][0]
             if all(torch.equal(o, first.expand_as(o)) for o in outputs):
                 return r
     return None
 
 
-def check_linears(linears: list[nn.Module], dtype: torch.dtype, device: torch.device) -> int:
-    """The row block to pad every linear layer's input to (the largest any shape needs); one
-    probe per distinct layer class and weight shape. Raises BatchInvariantError where none is stable."""
+def _cpu_only(device: torch.device) -> None:
     if device.type != "cpu":
         raise BatchInvariantError(
             f"--deterministic runs on CPU only: kvlab has no batch-invariant kernels for "
             f"{device.type} (on GPUs vLLM offers VLLM_BATCH_INVARIANT=1); drop --deterministic "
             f"or run on the CPU")
-    seen: dict[tuple[type, tuple[int, ...]], int] = {}
+
+
+def check_linears(linears: list[nn.Module], dtype: torch.dtype, device: torch.device) -> tuple[int, bool]:
+    """(row block, row calls) for every linear layer: the block to pad its input rows to (the
+    largest any shape needs; one probe per distinct layer class and weight shape), and whether
+    each GEMM must take exactly one block per call, where padding alone is not stable for some
+    shape (a GEMM that splits long rows across threads by the batch's size: MKL's fp32 at 2
+    threads on a Xeon with AMX, for 1,536-wide rows). Raises BatchInvariantError where neither is."""
+    _cpu_only(device)
+    seen: dict[tuple[type, tuple[int, ...]], tuple[nn.Module, int, bool]] = {}
     for m in linears:
         shape = (m.out_features, m.in_features)
         if (type(m), shape) in seen:  # same class, same shape: the same GEMM (the LM head's is fp32)
             continue
-        block = stable_row_block(m, shape[1], dtype, device)
+        block, calls = stable_row_block(m, shape[1], dtype, device), False
         if block is None:
+            block, calls = stable_row_block(m, shape[1], dtype, device, row_calls=True), True
+        if block is None:
+            hint = "try --threads 1" if dtype == torch.float32 else "try --dtype fp32"
             raise BatchInvariantError(
                 f"--deterministic: this CPU's {dtype} matmul gives row results that depend on "
-                f"the batch for weight shape {list(shape)}; try --dtype fp32, or drop --deterministic")
-        seen[type(m), shape] = block
-    return max(seen.values(), default=1)
+                f"the batch for weight shape {list(shape)}; {hint}, or drop --deterministic")
+        seen[type(m), shape] = (m, block, calls)
+    block = max((b for _, b, _ in seen.values()), default=1)
+    calls = any(c for _, _, c in seen.values())
+    # a padded-stable shape is stable in calls of any multiple of its block; a calls-stable one
+    # must be probed again at the common block
+    for m, b, c in seen.values():
+        if c and b != block and stable_row_block(m, m.in_features, dtype, device, True, (block,)) is None:
+            raise BatchInvariantError(
+                f"--deterministic: this CPU's {dtype} matmul has no row block stable for every "
+                f"weight shape; try --threads 1, or drop --deterministic")
+    return block, calls
+
+
+class _HeadMatmul:
+    """x [m, k] @ w [k, n] as ``split_attention`` multiplies: one batched 4-D torch.matmul."""
+
+    def __init__(self, k: int, n: int, device: torch.device) -> None:
+        self.w = torch.randn(1, 1, k, n, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.matmul(x.float()[None, None], self.w)[0, 0]
+
+
+def check_attention(head_dims: set[int], device: torch.device) -> int:
+    """The row block for ``split_attention``'s matmuls (fp32: scores over a head's size, values
+    over a split) at every head size: probed on their own shapes, not the linear layers' (whose
+    long rows a CPU GEMM may split across threads where these short ones are never split).
+    BatchInvariantError where none is stable."""
+    _cpu_only(device)
+    block = 1
+    for d in sorted(head_dims):
+        for k, n in ((d, 2 * SPLIT), (SPLIT, d + 1)):
+            r = stable_row_block(_HeadMatmul(k, n, device), k, torch.float32, device)
+            if r is None:
+                raise BatchInvariantError(
+                    f"--deterministic: this CPU's fp32 batched matmul gives attention rows that depend "
+                    f"on the batch (head size {d}); drop --deterministic")
+            block = max(block, r)
+    return block
 
 
 def split_attention(q: Tensor, keys: Tensor, vals: Tensor, allowed: Tensor, row_block: int,

@@ -34,7 +34,7 @@ from kvlab.dispatch import Backends
 from kvlab.kernels.onednn import PackedWeights
 from kvlab.models import methods
 from kvlab.models.attention import AttentionBackend
-from kvlab.models.invariant import check_linears
+from kvlab.models.invariant import check_attention, check_linears
 from kvlab.models.weights import QuantEmbedding, QuantLinear
 from kvlab.spec import LayerSpec, ModelSpec
 
@@ -164,7 +164,7 @@ class LMHead(Linear):
             # every row count: the kernel's rows never depend on the batch
             self.method = methods.Native(sys.maxsize, setting.gemm(dtype), fp32_out=True)
         else:
-            self.method = methods.SlicedFp32(methods.Gemm(setting.row_block))
+            self.method = methods.SlicedFp32(setting.gemm(torch.float32))
 
 
 class RMSNorm(nn.Module):
@@ -377,7 +377,7 @@ class DecoderLayer(nn.Module):
             weights += [m.weight if m.weight is not None else m.blocks, m.bias]
             if m is attn.o_proj:
                 weights.append(self.post_attention_layernorm.weight)
-        formats = [m.format.code if isinstance(m, QuantLinear) else 0 for m in linears]
+        formats = [c.code if isinstance(c, methods.NativeStored) else 0 for c in chosen]  # ACT8 flag included
         packed = kernels.LayerWeights(weights, formats)
         if not packed.fit(dtype):
             return None
@@ -459,6 +459,9 @@ class CausalLM(nn.Module):
         self.set_rope()
         self.eos_token_ids: tuple[int, ...] = ()  # filled by the loader (generation_config.json)
         self.source: WeightsSource | None = None  # filled by the loader
+        # the matmuls' inputs: "fp32" (exact) or "int8" (kvlab.models.methods: the stored
+        # 32-weight-block layers' rows quantised); set by the loader, read by use()
+        self.activations = "fp32"
         self.invariant_rows: int | None = None  # deterministic mode's row block (use)
         self._use: tuple[Backends, bool, int] | None = None  # use()'s arguments, for .to()
         self._stacks: dict[int, NativeStack] = {}  # layers run as one native call, by count (use)
@@ -477,11 +480,12 @@ class CausalLM(nn.Module):
         here (``backends``: by default ``kvlab.dispatch.backends()``), this model's dtype and
         device, and the mode:
 
-        - ``deterministic``: batch-invariant mode. The probe (``check_linears``;
-          BatchInvariantError, one line, where it finds nothing stable) finds the row block that
-          makes PyTorch's GEMM rows stable; ``invariant_rows`` tells the attention backend that
-          block. Linear layers then run every row count on the native kernel, which needs no
-          padding (probed again to prove it), or, where it cannot run, pad their rows to the block.
+        - ``deterministic``: batch-invariant mode. Probes (BatchInvariantError, one line, where
+          they find nothing stable) find the row block that makes PyTorch's batched matmul rows
+          stable on the attention's shapes (``check_attention``: ``invariant_rows``, for the
+          attention backend), then check the linear layers (``check_linears``): they run every
+          row count on the native kernel, which needs no padding, or, where it cannot run, pad
+          their rows to the block the probe finds for their GEMM.
         - ``pack_bytes``: give the linear layers oneDNN-packed copies of their bf16 weights
           (where oneDNN has bf16 kernels; q/k/v and gate/up stacked as one matmul each) if the
           copies fit in these bytes; never in deterministic mode (the probe ran on the plain layers).
@@ -497,18 +501,19 @@ class CausalLM(nn.Module):
         self.invariant_rows = None
         if deterministic:
             linears = [m for m in self.modules() if isinstance(m, (Linear, QuantLinear))]
-            self._choose(methods.Setting(backends, dtype, device, native_rows=0), False)
-            self.invariant_rows = check_linears(linears, dtype, device)
-            self._choose(methods.Setting(backends, dtype, device, native_rows=sys.maxsize), False)
-            row_block = check_linears(linears, dtype, device)
-            setting = methods.Setting(backends, dtype, device, native_rows=sys.maxsize, row_block=row_block)
+            act = self.activations
+            self.invariant_rows = check_attention({la.head_dim for la in self.spec.layers if la.head_dim}, device)
+            self._choose(methods.Setting(backends, dtype, device, native_rows=sys.maxsize, activations=act), False)
+            row_block, row_calls = check_linears(linears, dtype, device)
+            setting = methods.Setting(backends, dtype, device, native_rows=sys.maxsize, row_block=row_block,
+                                      row_calls=row_calls, activations=act)
             self._choose(setting, False)
         else:
             dense = [m for layer in layers for m in layer.linears()]
             pack = (bool(backends.onednn_bf16) and dtype == torch.bfloat16 and device.type == "cpu"
                     and all(isinstance(m, Linear) for m in dense)
                     and sum(m.weight.numel() * m.weight.element_size() for m in dense) <= pack_bytes)
-            self._choose(methods.Setting(backends, dtype, device), pack)
+            self._choose(methods.Setting(backends, dtype, device, activations=self.activations), pack)
         # the decoder layers as one native call each step: all L of them, or the first L - 1
         # (a step that wants logits from some rows only runs the last layer by its modules)
         self._stacks = {}

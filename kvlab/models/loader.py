@@ -29,8 +29,8 @@ from kvlab.catalog import DEFAULT_MODEL, gguf_file, load_config, model_path
 from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM, WeightsSource, check_supported
 from kvlab.models.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
-from kvlab.models.weights import FORMATS, QuantEmbedding, QuantLinear
-from kvlab.options import ModelOptions
+from kvlab.models.weights import ACT8_FORMATS, FORMATS, QuantEmbedding, QuantLinear
+from kvlab.options import ACTIVATIONS, ModelOptions
 from kvlab.spec import ConfigError, ModelSpec, spec_from_config
 
 if TYPE_CHECKING:
@@ -143,12 +143,14 @@ class WeightsChoice:
         return f"{held + ' as stored' if held else 'dense'} ({self.why})"
 
 
-def choose_weights(name: str, gguf: GGUFFile | None, dtype: torch.dtype, device: str) -> WeightsChoice:
+def choose_weights(name: str, gguf: GGUFFile | None, dtype: torch.dtype, device: str,
+                   activations: str = "fp32") -> WeightsChoice:
     """How to hold the weight matrices. ``auto``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and
     Q6_K matrices as stored where the native kernels run (fp32 on the CPU), the same values as
     dense fp32 at a quarter to a seventh of the bytes; everything else dense in ``dtype``. ``as-stored``: that,
-    also where the kernels do not run (dequantised per call, slow). ``dense``: every matrix in
-    ``dtype`` (today's fp32 for a GGUF file)."""
+    also where the kernels do not run (dequantised per call, slow), and ``auto`` with int8
+    ``activations`` (the mode runs on stored layers only). ``dense``: every matrix in ``dtype``
+    (today's fp32 for a GGUF file)."""
     if name not in WEIGHTS:
         raise ValueError(f"unknown --weights {name!r}; choose {', '.join(WEIGHTS)}")
     types = ({t.tensor_type.name for t in gguf.reader.tensors if len(t.shape) == 2}
@@ -166,7 +168,7 @@ def choose_weights(name: str, gguf: GGUFFile | None, dtype: torch.dtype, device:
                              "or --device, or pass --weights dense")
         return WeightsChoice(frozenset(), "auto: stored blocks run with fp32 activations on the CPU only")
     native = dispatch.backends().native
-    if name == "auto" and not native:
+    if name == "auto" and not native and activations == "fp32":
         return WeightsChoice(frozenset(), f"auto: the native kernels do not run here ({native.why})")
     why = "auto" if name == "auto" else "as asked"
     if not native:
@@ -329,12 +331,27 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def check_activations(activations: str, model: CausalLM) -> None:
+    """``--activations int8`` needs layers it runs: GGUF Q8_0/Q4_0/Q4_1/Q5_0 matrices held as
+    stored (so fp32 rows, on the CPU); ValueError, one line, otherwise."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"--activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if activations == "fp32":
+        return
+    formats = {m.format.name for m in model.modules() if isinstance(m, QuantLinear)}
+    if not formats & set(ACT8_FORMATS):
+        raise ValueError(f"--activations int8 runs GGUF {'/'.join(ACT8_FORMATS)} layers held as stored "
+                         f"(a GGUF file, --weights auto, fp32, CPU); this model holds "
+                         f"{', '.join(sorted(formats)) if formats else 'no stored layer'}")
+
+
 def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTYPE, *,
          device: str | None = "cpu", random_weights: bool = False, seed: int = 0,
-         weights: str = "auto") -> Loaded:
+         weights: str = "auto", activations: str = "fp32") -> Loaded:
     """Load a model: a GGUF file, a checkpoint folder, a bundled name (default ``smollm2-135m``),
     or (with ``random_weights``) any catalogue name or config.json with seeded random weights;
-    ``weights``: how to hold the matrices (``choose_weights``).
+    ``weights``: how to hold the matrices (``choose_weights``); ``activations``: their inputs'
+    precision (``check_activations``).
     Raises ConfigError / UnsupportedModelError / ValueError with a one-line message."""
     dev = resolve_device(device)
     model = DEFAULT_MODEL if model is None else model
@@ -349,7 +366,7 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
     gguf = gguf_file(path) if path is not None else None
     folder = None if path is None or gguf is not None else (path if path.is_dir() else path.parent)
     choice = choose_dtype(dtype, dev, stored_format(gguf, None if random_weights else folder, cfg))
-    held = choose_weights(weights, None if random_weights else gguf, choice.dtype, dev)
+    held = choose_weights(weights, None if random_weights else gguf, choice.dtype, dev, activations)
     built = build_model(spec, choice.dtype, dev, random_weights=random_weights, seed=seed)
     if not random_weights:
         placed = hold_blocks(built, gguf, held.formats) if held.formats else frozenset()
@@ -358,6 +375,9 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = DEFAULT_DTY
         _assign_weights(built, tensors, path.name, choice.dtype, torch.device(dev))
         files = (gguf.path,) if gguf is not None else tuple(sorted(folder.glob("*.safetensors")))
         built.source = WeightsSource(files=files, stored=tuple(sorted(placed)))
+    check_activations(activations, built)
+    built.activations = activations
+    if not random_weights:
         built.use()  # the layers choose how they run, on the weights they now hold
     tokenizer: HFTokenizer | ByteTokenizer
     if gguf is not None:
@@ -380,7 +400,8 @@ def load_options(options: ModelOptions, tp: int = 1) -> Loaded:
     if options.threads:
         torch.set_num_threads(options.threads)
     return load(options.model, options.dtype, device="cpu" if tp > 1 else options.device,
-                random_weights=options.random_weights, seed=options.seed or 0, weights=options.weights)
+                random_weights=options.random_weights, seed=options.seed or 0, weights=options.weights,
+                activations=options.activations)
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = DEFAULT_DTYPE, **kwargs) -> CausalLM:

@@ -35,6 +35,10 @@ class Setting:
     # sys.maxsize, every row count (deterministic mode: their rows never depend on the batch)
     native_rows: int | None = None
     row_block: int = 1  # deterministic mode: PyTorch's GEMM rows padded to a multiple of this
+    # deterministic mode on a CPU whose GEMM splits long rows by the batch's size: every GEMM
+    # call exactly row_block rows (``kvlab.models.invariant.check_linears``)
+    row_calls: bool = False
+    activations: str = "fp32"  # "int8": stored 32-weight-block layers quantise their input rows
 
     @property
     def rowwise(self) -> bool:
@@ -50,25 +54,30 @@ class Setting:
 
     def gemm(self, dtype: torch.dtype) -> Gemm:
         """PyTorch's path for a layer of ``dtype`` weights in this setting."""
-        return Gemm(self.row_block, bucket=dtype == torch.bfloat16 and self.device.type == "cpu")
+        return Gemm(self.row_block, bucket=dtype == torch.bfloat16 and self.device.type == "cpu",
+                    row_calls=self.row_calls)
 
 
 class Gemm:
     """PyTorch's ``F.linear``, x's rows zero-padded to a multiple of ``row_block`` (deterministic
-    mode, ``kvlab.models.invariant``) and, with ``bucket`` (bf16 on a CPU), to ``onednn_rows``:
-    PyTorch hands bf16 matmuls to oneDNN wherever oneDNN has bf16 kernels, whatever kvlab
-    packs, and oneDNN caches a kernel per shape."""
+    mode, ``kvlab.models.invariant``; with ``row_calls``, one call per block of rows) and, with
+    ``bucket`` (bf16 on a CPU), to ``onednn_rows``: PyTorch hands bf16 matmuls to oneDNN
+    wherever oneDNN has bf16 kernels, whatever kvlab packs, and oneDNN caches a kernel per shape."""
 
-    def __init__(self, row_block: int = 1, bucket: bool = False) -> None:
-        self.row_block, self.bucket = row_block, bucket
+    def __init__(self, row_block: int = 1, bucket: bool = False, row_calls: bool = False) -> None:
+        self.row_block, self.bucket, self.row_calls = row_block, bucket, row_calls
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         m = x.shape[0]
         rows = onednn_rows(m) if self.bucket else m
         rows = -(-rows // self.row_block) * self.row_block
-        if rows == m:
-            return F.linear(x, weight, bias)
-        return F.linear(pad_rows(x, rows), weight, bias)[:m]
+        if rows != m:
+            x = pad_rows(x, rows)
+        if self.row_calls:
+            y = torch.cat([F.linear(x[i:i + self.row_block], weight, bias) for i in range(0, rows, self.row_block)])
+        else:
+            y = F.linear(x, weight, bias)
+        return y if rows == m else y[:m]
 
 
 class Native:
@@ -132,3 +141,25 @@ class NativeStored:
         if x.shape[0] <= self.rows:
             return kernels.linear_q(x.contiguous(), blocks, self.code, bias)
         return self.fallback(x, blocks, bias)
+
+
+def act8_reference(x: Tensor) -> Tensor:
+    """x's rows as ``--activations int8`` quantises them (``kvlab/kernels/act8.h``), as fp32: per
+    32 values d = max|x| / 127, q = round(x / d) to nearest (ties to even), then q * d. The same q
+    and d as the kernel's, bit for bit (``kernels.quantize_act8``)."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(b * inv) * d).reshape(x.shape)
+
+
+class Int8Reference:
+    """``--activations int8`` where the native kernels do not run: the rows quantised as the
+    kernel quantises them (``act8_reference``), then the dequantised weight through ``gemm``:
+    the same values, summed in another order (so close to the kernel's results, not bitwise)."""
+
+    def __init__(self, dequantize: Dequantize, gemm: Gemm) -> None:
+        self.dequantize, self.gemm = dequantize, gemm
+
+    def __call__(self, x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
+        return self.gemm(act8_reference(x), self.dequantize(blocks), bias)

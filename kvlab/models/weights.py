@@ -17,6 +17,7 @@ Other GGUF types (Q5_1, Q5_K...) are dequantised to dense fp32 at load (``kvlab.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ from torch import Tensor, nn
 
 from kvlab import kernels
 from kvlab.dtypes import GGUF_AS_STORED
-from kvlab.models.methods import Dequantize, Dequantized, Gemm, LinearMethod, NativeStored, Setting
+from kvlab.models.methods import (Dequantize, Dequantized, Gemm, Int8Reference, LinearMethod, NativeStored,
+                                  Setting)
 
 QK = 32  # weights per block
 QK_K = 256  # weights per k-quant super-block
@@ -123,6 +125,8 @@ _K_QUANTS = {"Q4_K": _q4_k, "Q6_K": _q6_k}
 FORMATS = {f.name: f for f in (BlockFormat("Q8_0", 1, 34), BlockFormat("Q4_0", 2, 18),
                                BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 4, 22),
                                BlockFormat("Q4_K", 5, 144, QK_K), BlockFormat("Q6_K", 6, 210, QK_K))}
+# the 32-weight formats --activations int8 multiplies by integer dot products (kvlab/kernels/act8.h)
+ACT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
 # the planner counts a GGUF file's bytes by kvlab.dtypes' torch-free list: it must be this one
 assert tuple(FORMATS) == GGUF_AS_STORED, f"kvlab.dtypes.GGUF_AS_STORED is not {tuple(FORMATS)}"
 
@@ -162,8 +166,13 @@ class QuantLinear(nn.Module):
         it there, at other bits), else the dequantised weight through PyTorch."""
         native = setting.rowwise and self.blocks.device.type == "cpu"
         self.dequantize = self.format.dequantizer(self.in_features, native)
-        fallback = Dequantized(self.dequantize, Gemm(setting.row_block))
+        fallback = Dequantized(self.dequantize, setting.gemm(torch.float32))
         rows = setting.rows(torch.float32) if self.bias is None or self.bias.dtype == torch.float32 else 0
+        if setting.activations == "int8" and self.format.name in ACT8_FORMATS:
+            # int8 rows: the integer kernel at every row count (its results never depend on M)
+            self.method = (NativeStored(self.format.code | kernels.ACT8, sys.maxsize, fallback) if rows and native
+                           else Int8Reference(self.dequantize, setting.gemm(torch.float32)))
+            return
         self.method = NativeStored(self.format.code, rows, fallback) if rows and native else fallback
 
     def dense(self) -> Tensor:

@@ -98,7 +98,9 @@ class EngineBridge:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.spec.vocab_size
         self.started = int(time.time())
-        self.metrics = ServerMetrics(lambda: self.gauges)
+        self.metrics = ServerMetrics(lambda: self.gauges, {
+            "dtype": str(engine.model.dtype).removeprefix("torch."), "activations": engine.model.activations,
+            "deterministic": str(bool(engine.options.deterministic)).lower()})
         self.gauges = self._read_gauges()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -121,9 +121,12 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The registry of one server and the latency histograms its bridge feeds."""
 
-    def __init__(self, read_engine: Callable[[], EngineGauges]) -> None:
+    def __init__(self, read_engine: Callable[[], EngineGauges], model: dict[str, str]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(read_engine))
+        # what runs: kvlab_model_info{dtype=..., activations=..., deterministic=...} 1
+        Info(f"{PREFIX}_model", "The served model's dtype, matmul inputs (--activations) and mode.",
+             registry=self.registry).info(model)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival to its first token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between two tokens of a request.",
