@@ -1,7 +1,8 @@
 """kvlab's perplexity computed the way llama.cpp's llama-perplexity computes it, on the same tokens.
 
     .venv/bin/python benchmarks/llama_perplexity.py [gemma3-270m] [--ctx 1024] [--chunks N]
-        [--weights auto|as-stored|dense] [--llama-perplexity PATH [--llama-args "..."]]
+        [--weights auto|as-stored|dense] [--activations fp32|int8]
+        [--llama-perplexity PATH [--llama-args "..."]]
 
 llama-perplexity tokenises the whole text (its -f drops one final newline; BOS first when the
 vocabulary adds one), cuts it into len // ctx chunks of ctx tokens (the tail is dropped),
@@ -78,6 +79,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--chunks", type=int, help="score only the first N chunks (both sides)")
     ap.add_argument("--weights", default="auto", help="kvlab's --weights (auto, as-stored, dense)")
+    ap.add_argument("--activations", default="fp32", help="kvlab's --activations (fp32, int8)")
     ap.add_argument("--llama-perplexity", metavar="PATH", help="run this llama-perplexity too")
     ap.add_argument("--llama-args", default="", help="more flags for llama-perplexity, one string")
     args = ap.parse_args()
@@ -85,7 +87,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     gguf = gguf_file(args.model)
-    ours = load(args.model, "fp32", weights=args.weights)
+    ours = load(args.model, "fp32", weights=args.weights, activations=args.activations)
     text = PERSUASION.read_text()
     ids = torch.tensor(ours.tokenizer.encode(text.removesuffix("\n")))  # as llama.cpp's -f reads it
     add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
@@ -114,7 +116,7 @@ def main() -> None:
     ppl = math.exp(mean)
     stderr = math.sqrt((nll2 / count - mean * mean) / (count - 1)) * ppl
     result = {
-        "model": args.model, "file": str(gguf.path), "dtype": "fp32", "weights": args.weights,
+        "model": args.model, "file": str(gguf.path), "dtype": "fp32", "weights": args.weights, "activations": args.activations,
         "weights_held": str(ours.weights),
         "ctx": args.ctx, "chunks": n_chunk, "tokens_scored": count, "text_tokens_kvlab": len(ids),
         "text_tokens_kvlab_with_final_newline": len(ours.tokenizer.encode(text)),

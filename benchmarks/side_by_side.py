@@ -11,6 +11,7 @@ Each engine in its own process, one after another, on --threads cores; --engines
 - kvlab: `kvlab bench` as it defaults (dtype and --weights auto: on this CPU the GGUF's Q4_1 and
   Q8_0 blocks as stored, fp32 activations) and in the other mode (`--no-deterministic` where the
   default is deterministic, else `--deterministic`), batch 1 and the mix;
+- kvlab-int8: `kvlab bench --activations int8` (the stored blocks against int8 activation rows);
 - kvlab-dense: `kvlab bench --weights dense` (every matrix dequantised to the dtype auto picks);
 - transformers: through the dense run's `--compare hf` (kvlab's dense weights in transformers'
   model, the same dtype, static batches: 1 for batch 1, the whole mix at once);
@@ -231,7 +232,8 @@ def kvlab_row(engine: str, single: dict, batch: dict, prompt: int, cmds: list[st
 
     dtype = single["dtype"]
     if set(single["held_formats"]) & set(FORMATS):  # it counts dense matrices too, by torch dtype
-        weights, fmt = f"{single['weights']}, {dtype} activations", "int4"
+        acts = "int8" if single["activations"] == "int8" else dtype
+        weights, fmt = f"{single['weights']}, {acts} activations", "int4"
     else:
         weights, fmt = f"{dtype} {single['weights']}", dtype
     return Row(engine, weights, fmt, prompt / single["ttft_first_s"], single["decode_tokens_per_s"],
@@ -257,7 +259,7 @@ def openvino_peer(python: Path, gguf: Path, requests: list[tuple[list[int], int]
     return last_json(run(cmd, out)), shlex.join(cmd)
 
 
-ENGINES = ("kvlab", "kvlab-dense", "transformers", "vllm", "llamacpp", "llamacpp-f32", "openvino")
+ENGINES = ("kvlab", "kvlab-int8", "kvlab-dense", "transformers", "vllm", "llamacpp", "llamacpp-f32", "openvino")
 
 
 def engine_set(text: str) -> frozenset[str]:
@@ -317,6 +319,12 @@ def main() -> int:
         ref["kvlab"] = kv
         notes.append(f"{det.engine} against the default: prefill {det.prefill / kv.prefill - 1:+.1%}, "
                      f"decode {det.decode / kv.decode - 1:+.1%}, mix {det.mix / kv.mix - 1:+.1%}.")
+
+    if "kvlab-int8" in engines:  # issue 36's mode, with the default's determinism
+        i1, ic1 = kvlab_bench(one + ["--activations", "int8"], out / "kvlab-int8-b1.json")
+        im, icm = kvlab_bench(many + ["--activations", "int8"], out / "kvlab-int8-mix.json")
+        rows.append(kvlab_row("kvlab --activations int8", i1, im, args.input_len, [ic1, icm]))
+        ref["kvlab-int8"] = rows[-1]
 
     if engines & {"kvlab-dense", "transformers"}:  # transformers takes the dense weights only
         hf = "transformers" in engines
@@ -382,6 +390,13 @@ def main() -> int:
         if "kvlab" in ref and peer in ref:
             notes.append(f"kvlab's default against {ref[peer].engine.split(' (')[0]} on the mix: "
                          f"{ref['kvlab'].mix / ref[peer].mix:.2f}x (issue 25's target: >= {target}x).")
+    if "kvlab-int8" in ref and "openvino" in ref:  # issue 36's targets for the int8 mode
+        i8, ov = ref["kvlab-int8"], ref["openvino"]
+        notes.append(f"kvlab --activations int8 against OpenVINO: mix {i8.mix / ov.mix:.2f}x (target >= 1.2x), "
+                     f"batch-1 prefill {i8.prefill / ov.prefill:.2f}x (target >= 1.0x).")
+    if "kvlab-int8" in ref and "llamacpp" in ref:
+        notes.append(f"kvlab --activations int8 against llama-bench: batch-1 decode "
+                     f"{ref['kvlab-int8'].decode / ref['llamacpp'].decode:.2f}x (target >= 1.2x).")
 
     bounds = {fmt: planner_bounds(fmt, args.input_len, args.output_len, mix_requests)
               for fmt in dict.fromkeys(r.fmt for r in rows)}
