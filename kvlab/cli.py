@@ -339,7 +339,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result.hf_identical_requests = sum(a == b for a, b in zip(outputs, hf_out))
     result.dtype_why, result.weights = loaded.dtype.why, str(loaded.weights)
     here = dispatch.backends()
-    result.linear_kernel, result.cpu_paths = here.linear_kernel(model.dtype, result.deterministic), here.line()
+    result.linear_kernel, result.cpu_paths = here.linear_kernel(model.dtype, result.deterministic, model.activations), here.line()
     add_compute_bound(result, model)
     if options.tp > 1:
         ranks = ("torchrun's ranks may be on other machines" if torchrun_rank() is not None

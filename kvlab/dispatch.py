@@ -40,7 +40,7 @@ SWITCHES = {
     "KVLAB_KERNELS": "kvlab's native C kernels (AVX2 + FMA, built with the system's C compiler)",
     "KVLAB_ONEDNN_BF16": "oneDNN's packed bf16 matmul (CPUs with AVX-512 or AVX-NE-CONVERT bf16)",
     "KVLAB_AVX512": "the native kernels' AVX-512 loops for GGUF block formats (bitwise the AVX2 ones)",
-    "KVLAB_VNNI": "the int8 activations' dot products by AVX512-VNNI with VL (bitwise the AVX2 ones)",
+    "KVLAB_VNNI": "the int8 activations' dot products by AVX512-VNNI, BW and VL (bitwise the AVX2 ones)",
     "KVLAB_AVX_VNNI": "the int8 activations' dot products by AVX-VNNI where AVX512-VNNI is not taken",
 }
 _OFF = ("off", "0", "no", "false")
@@ -120,7 +120,7 @@ def vnni_kernels() -> tuple[Feature, Feature]:
 
     has = kernels.status().vnni
     features = []
-    for switch, encoding, name in (("KVLAB_VNNI", "avx512", "AVX512-VNNI with VL"),
+    for switch, encoding, name in (("KVLAB_VNNI", "avx512", "AVX512-VNNI, BW and VL"),
                                    ("KVLAB_AVX_VNNI", "avx", "AVX-VNNI")):
         if switched_off(switch):
             features.append(Feature(switch, False, f"{switch}=off"))
@@ -165,7 +165,7 @@ class Backends:
             return sys.maxsize
         return kernels.MAX_ROWS
 
-    def linear_kernel(self, dtype: torch.dtype, deterministic: bool) -> str:
+    def linear_kernel(self, dtype: torch.dtype, deterministic: bool, activations: str = "fp32") -> str:
         """One line for reports: which kernel runs a model's linear layers in this dtype."""
         import torch
 
@@ -173,6 +173,9 @@ class Backends:
             return "PyTorch's matmul (the native kernel takes fp32 and bf16)"
         if not self.native:
             return f"PyTorch's matmul: {self.native.why}"
+        if activations == "int8":
+            isa = "AVX512-VNNI" if self.vnni else "AVX-VNNI" if self.avx_vnni else "AVX2"
+            return f"kvlab's int8 kernel ({isa}) for the stored layers at every row count"
         rows = sys.maxsize if deterministic else self.native_rows(dtype)
         if rows == sys.maxsize:
             return "kvlab's AVX2 kernel for every row count"

@@ -140,7 +140,7 @@ def set_avx512(on: bool) -> bool:
 
 def set_vnni(encoding: str | None) -> bool:
     """Run the int8 activations' dot products with VNNI's vpdpbusd in ``encoding`` ("avx512":
-    AVX512-VNNI with VL; "avx": AVX-VNNI), where the CPU has it, or with AVX2's (None); the
+    AVX512-VNNI with BW and VL; "avx": AVX-VNNI), where the CPU has it, or with AVX2's (None); the
     integers, so the results, are the same. Returns whether it runs. AVX2's until
     ``kvlab.dispatch`` chooses."""
     lib = _load()[0]

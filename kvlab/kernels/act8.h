@@ -9,11 +9,11 @@
  *   Q4_1  d_w d_x sum n q + m_w d_x s                Q5_0  d_w d_x (sum n q - 16 s)
  *
  * (n the unsigned 4- or 5-bit values; Q8_0's signed weights go through |q_w| and q's sign moved
- * onto it). Each output is one fixed chain: per block, its 8 lanes of integer sums scaled and
- * added in fp32 to 8 lanes, Q4_1's m term to one more float, then one fixed horizontal sum. It
- * does not depend on M or the row's place in the batch, so the mode is batch-invariant; VNNI's
- * vpdpbusd (AVX512-VNNI's or AVX-VNNI's encoding) and AVX2's vpmaddubsw + vpmaddwd give the same
- * integers, so the same bits.
+ * onto it). Each output is one fixed fp32 chain: per block, acc = fma(S, d_w d_x, acc) with S
+ * that block's integer sum, Q4_1's m term in a chain of its own, added at the end. It does not
+ * depend on M, the row's place in the batch or the ISA (AVX2's vpmaddubsw + vpmaddwd, or VNNI's
+ * vpdpbusd in AVX512-VNNI's or AVX-VNNI's encoding: the same integers), so the mode is
+ * batch-invariant and every path gives the same bits. linear.c holds the loops.
  *
  * Why: prefill and batched decode are compute-bound, and an int8 multiply-add does 4x an fp32
  * FMA's work per instruction (vpdpbusd: 64 a 256-bit instruction). The cost is the activations'
@@ -81,36 +81,9 @@ static inline __attribute__((always_inline)) __m256i act8_weights(const uint8_t 
     return n;
 }
 
-/* 8 lanes of partial sums of w * x over one block (w from act8_weights, x the activations' q):
- * AVX2's u8 x s8 pairs (never saturated: 2 x 128 x 127 < 2^15) then pairs of pairs, or VNNI's
- * four at once, the same integers either way. */
-static inline __attribute__((always_inline)) __m256i act8_dot_avx2(__m256i w, __m256i x, const int fmt) {
-    if (fmt == Q8_0) {
-        x = _mm256_sign_epi8(x, w);
-        w = _mm256_abs_epi8(w);
-    }
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-
-#define T_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"), always_inline))
-
-static inline T_VNNI __m256i act8_dot_vnni(__m256i w, __m256i x, const int fmt) {
-    if (fmt == Q8_0) {
-        x = _mm256_sign_epi8(x, w);
-        w = _mm256_abs_epi8(w);
-    }
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-}
-
-/* The same instruction in AVX-VNNI's VEX encoding (CPUs with it and without AVX-512). */
+/* The int8 loops' targets (linear.c): AVX512-VNNI (512-bit vpdpbusd; BW for the byte masks)
+ * and AVX-VNNI (vpdpbusd in VEX encoding, CPUs with it and without AVX-512). */
+#define T_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
 #define T_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni"), always_inline))
-
-static inline T_AVXVNNI __m256i act8_dot_avxvnni(__m256i w, __m256i x, const int fmt) {
-    if (fmt == Q8_0) {
-        x = _mm256_sign_epi8(x, w);
-        w = _mm256_abs_epi8(w);
-    }
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-}
 
 #endif

@@ -63,7 +63,7 @@ KVLAB_API void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K,
 /* linear.c: x [M, K] fp32 quantised as --activations int8 does: q [M, K], per 32 values a scale d and the sum s of q. */
 KVLAB_API void kvlab_quantize_act8(const float *x, int8_t *q, float *d, int32_t *s, long M, long K, int threads);
 /* kvlab_set_vnni's encodings of vpdpbusd (0: AVX2's vpmaddubsw + vpmaddwd) */
-#define KVLAB_VNNI_512 1 /* AVX512-VNNI with VL */
+#define KVLAB_VNNI_512 1 /* AVX512-VNNI with BW and VL */
 #define KVLAB_VNNI_AVX 2 /* AVX-VNNI */
 /* linear.c: the int8 activations' dot products in encoding want if the CPU has it (0: AVX2's); returns whether it runs. */
 KVLAB_API int kvlab_set_vnni(int want);

@@ -310,96 +310,196 @@ static inline __attribute__((always_inline)) void btail(const float *x, const fl
 QTILES(qtiles, qtile, dtile, btile, MB, btail, __attribute__((always_inline)))
 QTILES(qtiles512_fmt, qtile512, dtile512, btile512, MB512, btail512, T512)
 
-/* --activations int8 (act8.h): quantised input rows m0..m0+mb-1 against weight rows n0..n0+nn-1
- * in 32-weight block format fmt, one block of every row at a time. DOT is act8_dot_avx2,
- * act8_dot_vnni or act8_dot_avxvnni: the same integers. */
-#define ACT8_TILE(NAME, DOT, ATTR)                                                                          \
-    static inline ATTR void NAME(const act8_rows *xa, const uint8_t *w, const float *b, float *y, long m0,   \
-                                 const int mb, long n0, const int nb, long nn, long N, const int fmt) {     \
-        const long K = xa->K, bb = BLOCK_BYTES[fmt], nblk = K / QK, rb = nblk * bb;                         \
-        const int offset = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;                                          \
-        const uint8_t *wr[NB_MAX];                                                                          \
-        for (int j = 0; j < nb; j++) wr[j] = w + (n0 + (j < nn ? j : 0)) * rb;                             \
-        __m256 acc[MB][NB_MAX];                                                                             \
-        float extra[MB][NB_MAX]; /* Q4_1's m_w d_x s, summed apart */                                       \
-        for (int i = 0; i < mb; i++)                                                                        \
-            for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps(), extra[i][j] = 0.0f;              \
-        for (long kb = 0; kb < nblk; kb++) {                                                                \
-            __m256i wv[NB_MAX];                                                                             \
-            float dw[NB_MAX], mw[NB_MAX];                                                                   \
-            for (int j = 0; j < nb; j++) {                                                                  \
-                const uint8_t *blk = wr[j] + kb * bb;                                                       \
-                _mm_prefetch((const char *)(blk + PF_TILES * nb * rb), _MM_HINT_T0);                        \
-                wv[j] = act8_weights(blk, fmt);                                                             \
-                dw[j] = half_at(blk);                                                                       \
-                mw[j] = fmt == Q4_1 ? half_at(blk + 2) : 0.0f;                                              \
-            }                                                                                               \
-            for (int i = 0; i < mb; i++) {                                                                  \
-                const long at = (m0 + i) * nblk + kb;                                                       \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xa->q + at * QK));                  \
-                const float dx = xa->d[at];                                                                 \
-                const int32_t sx = xa->s[at];                                                               \
-                const __m256i off = _mm256_setr_epi32(offset * sx, 0, 0, 0, 0, 0, 0, 0);                    \
-                for (int j = 0; j < nb; j++) {                                                              \
-                    const __m256i p = _mm256_sub_epi32(DOT(wv[j], xv, fmt), off);                           \
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[j] * dx), acc[i][j]); \
-                    if (fmt == Q4_1) extra[i][j] += mw[j] * (dx * (float)sx);                               \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int i = 0; i < mb; i++)                                                                        \
-            for (int j = 0; j < nn; j++) {                                                                  \
-                float v = hsum(acc[i][j]) + extra[i][j];                                                    \
-                if (b) v += b[n0 + j];                                                                      \
-                y[(m0 + i) * N + n0 + j] = v;                                                               \
-            }                                                                                               \
-    }
-ACT8_TILE(act8_tile, act8_dot_avx2, __attribute__((always_inline)))
-ACT8_TILE(act8_tile_vnni, act8_dot_vnni, T_VNNI)
-ACT8_TILE(act8_tile_avxvnni, act8_dot_avxvnni, T_AVXVNNI)
+/* --activations int8 (act8.h). A tile is W weight rows (W = 8: AVX2's and AVX-VNNI's loops, 16:
+ * AVX512-VNNI's), one output per lane. Its blocks are transposed into a panel, PANEL_BLOCKS at a
+ * time: for every block and 4-weight chunk c, W lanes of the rows' 4 bytes at c (act8_weights'
+ * bytes; Q8_0's also as |w|, the unsigned operand). Then each input row, per block: 8 dot
+ * products of a chunk with the row's 4 quantised values at c broadcast (vpdpbusd, or vpmaddubsw
+ * + vpmaddwd) give each lane its block's exact integer sum S; the output's chain is one fp32
+ * multiply-add per block, acc = fma(S, d_w * d_x, acc) (Q4_1's m_w (d_x s) summed apart), the
+ * same on every ISA and for every M: the integers are exact whatever computed them. A panel is
+ * built once a pass of MBLOCK rows, so prefill's rows share its cost; one row pays it alone. */
+#define PANEL_BLOCKS 32 /* 16 KB of panel (32 KB for Q8_0) at W = 16: it stays in L1 */
 
-/* One weight tile (weight rows n0.., input rows block..end) of an int8-activation part: 8 weight
- * rows for one input row, else MB input rows against 4 at a time. */
-#define ACT8_TILES(NAME, TILE, ATTR)                                                                       \
-    static inline ATTR void NAME(const act8_rows *xa, const kvlab_part *part, long n0, int nb, long block, \
-                                 long end, long M, const int fmt) {                                        \
-        const long N = part->N, nn = N - n0 < nb ? N - n0 : nb;                                            \
-        if (M == 1) {                                                                                      \
-            TILE(xa, part->w, part->b, part->y, 0, 1, n0, 8, nn, N, fmt);                                  \
-            return;                                                                                        \
-        }                                                                                                  \
-        long m0 = block;                                                                                   \
-        for (; m0 + MB <= end; m0 += MB) TILE(xa, part->w, part->b, part->y, m0, MB, n0, 4, nn, N, fmt);   \
-        if (end - m0 == 2) TILE(xa, part->w, part->b, part->y, m0, 2, n0, 4, nn, N, fmt);                  \
-        else if (end - m0 == 1) TILE(xa, part->w, part->b, part->y, m0, 1, n0, 4, nn, N, fmt);             \
-    }
-ACT8_TILES(act8_tiles_fmt, act8_tile, __attribute__((always_inline)))
-ACT8_TILES(act8_tiles_vnni_fmt, act8_tile_vnni, T_VNNI)
-ACT8_TILES(act8_tiles_avxvnni_fmt, act8_tile_avxvnni, T_AVXVNNI)
+typedef struct {
+    uint8_t w[PANEL_BLOCKS * 8 * 4 * 16];   /* [block][chunk][W] 4-byte chunks, as act8_weights gives them */
+    uint8_t abs[PANEL_BLOCKS * 8 * 4 * 16]; /* Q8_0: the same as |w| (w's signs go onto x) */
+    float dw[PANEL_BLOCKS * 16], mw[PANEL_BLOCKS * 16]; /* [block][W]: scales; Q4_1's minimums */
+} act8_panel;
 
-/* The format as a constant inside each; the VNNI loop not inlined into linear(): its code runs
- * only where kvlab_set_vnni found the CPU's. */
-static void act8_tiles(const act8_rows *xa, const kvlab_part *part, long n0, int nb, long block, long end, long M) {
-    switch (part->fmt & ~KVLAB_ACT8) {
-    case Q8_0: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q8_0); break;
-    case Q4_0: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q4_0); break;
-    case Q4_1: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q4_1); break;
-    default: act8_tiles_fmt(xa, part, n0, nb, block, end, M, Q5_0); break;
+/* 8 rows' 32 bytes (r[j]: row j's chunks 0-7) -> out[c]: chunk c of rows 0-7, one row a lane. */
+static inline __attribute__((always_inline)) void transpose8(const __m256i r[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+        out[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
     }
 }
 
+/* The panel of blocks kb0..kb0+nk-1 of weight rows n0..n0+W-1 (rows past nn repeat row n0:
+ * computed, never stored). */
+static inline __attribute__((always_inline)) void act8_build(act8_panel *pn, const uint8_t *w, long n0, long nn,
+                                                             long rb, long kb0, int nk, const int W, const int fmt) {
+    const long bb = BLOCK_BYTES[fmt];
+    for (int k = 0; k < nk; k++)
+        for (int g = 0; g < W; g += 8) {
+            __m256i r[8], t[8];
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *blk = w + (n0 + (g + j < nn ? g + j : 0)) * rb + (kb0 + k) * bb;
+                _mm_prefetch((const char *)(blk + PF_TILES * W * rb), _MM_HINT_T0); /* the tiles ahead */
+                r[j] = act8_weights(blk, fmt);
+                pn->dw[k * W + g + j] = half_at(blk);
+                pn->mw[k * W + g + j] = fmt == Q4_1 ? half_at(blk + 2) : 0.0f;
+            }
+            transpose8(r, t);
+            for (int c = 0; c < 8; c++) {
+                const long at = (k * 8 + c) * 4 * W + 4 * g;
+                _mm256_storeu_si256((__m256i *)(pn->w + at), t[c]);
+                if (fmt == Q8_0) _mm256_storeu_si256((__m256i *)(pn->abs + at), _mm256_abs_epi8(t[c]));
+            }
+        }
+}
+
+/* R rows (m0..) over the panel's nk blocks (blocks kb0.. of the rows), their sums carried in acc
+ * and ext ([R][8]), in 8 lanes: DOT4 is AVX2's vpmaddubsw + vpmaddwd or AVX-VNNI's vpdpbusd. */
+#define ACT8_ROWS8(NAME, DOT4, ATTR)                                                                        \
+    static inline ATTR void NAME(const act8_panel *pn, const act8_rows *xa, long kb0, int nk, float *accp, \
+                                 float *extp, long m0, const int R, const int fmt) {                       \
+        const int offset = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;                                          \
+        const long nblk = xa->K / QK;                                                                       \
+        __m256 acc[4], ext[4];                                                                              \
+        for (int i = 0; i < R; i++) acc[i] = _mm256_loadu_ps(accp + 8 * i), ext[i] = _mm256_loadu_ps(extp + 8 * i); \
+        for (int k = 0; k < nk; k++) {                                                                      \
+            const __m256 dw = _mm256_loadu_ps(pn->dw + k * 8), mw = _mm256_loadu_ps(pn->mw + k * 8);        \
+            const uint8_t *wc = pn->w + k * 8 * 32, *ac = pn->abs + k * 8 * 32;                             \
+            for (int i = 0; i < R; i++) {                                                                   \
+                const long at = (m0 + i) * nblk + kb0 + k;                                                  \
+                const int32_t *xq = (const int32_t *)(xa->q + at * QK);                                     \
+                __m256i s = _mm256_setzero_si256();                                                         \
+                for (int c = 0; c < 8; c++) {                                                               \
+                    __m256i x = _mm256_set1_epi32(xq[c]);                                                   \
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(wc + c * 32));                  \
+                    if (fmt == Q8_0) x = _mm256_sign_epi8(x, wv);                                           \
+                    s = DOT4(s, fmt == Q8_0 ? _mm256_loadu_si256((const __m256i *)(ac + c * 32)) : wv, x);  \
+                }                                                                                           \
+                const float dx = xa->d[at];                                                                 \
+                const int32_t sx = xa->s[at];                                                               \
+                s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset * sx));                                    \
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[i]); \
+                if (fmt == Q4_1) ext[i] = _mm256_add_ps(ext[i], _mm256_mul_ps(mw, _mm256_set1_ps(dx * (float)sx))); \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int i = 0; i < R; i++) _mm256_storeu_ps(accp + 8 * i, acc[i]), _mm256_storeu_ps(extp + 8 * i, ext[i]); \
+    }
+
+static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i s, __m256i w, __m256i x) {
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+static inline T_AVXVNNI __m256i dot4_avxvnni(__m256i s, __m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(s, w, x);
+}
+ACT8_ROWS8(act8_rows8, dot4_avx2, __attribute__((always_inline)))
+ACT8_ROWS8(act8_rows8_avxvnni, dot4_avxvnni, T_AVXVNNI)
+
+/* ACT8_ROWS8 in 16 lanes (AVX512-VNNI): the same per-lane operations, so the same bits. */
+static inline T_VNNI void act8_rows16(const act8_panel *pn, const act8_rows *xa, long kb0, int nk, float *accp,
+                                      float *extp, long m0, const int R, const int fmt) {
+    const int offset = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;
+    const long nblk = xa->K / QK;
+    __m512 acc[8], ext[8];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_loadu_ps(accp + 16 * i), ext[i] = _mm512_loadu_ps(extp + 16 * i);
+    for (int k = 0; k < nk; k++) {
+        const __m512 dw = _mm512_loadu_ps(pn->dw + k * 16), mw = _mm512_loadu_ps(pn->mw + k * 16);
+        const uint8_t *wc = pn->w + k * 8 * 64, *ac = pn->abs + k * 8 * 64;
+        for (int i = 0; i < R; i++) {
+            const long at = (m0 + i) * nblk + kb0 + k;
+            const int32_t *xq = (const int32_t *)(xa->q + at * QK);
+            __m512i s = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                __m512i x = _mm512_set1_epi32(xq[c]);
+                const __m512i wv = _mm512_loadu_si512(wc + c * 64);
+                if (fmt == Q8_0) { /* x's sign by w's: vpsignb has no 512-bit form (w = 0: |w| = 0) */
+                    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), x);
+                    s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512(ac + c * 64), x);
+                } else {
+                    s = _mm512_dpbusd_epi32(s, wv, x);
+                }
+            }
+            const float dx = xa->d[at];
+            const int32_t sx = xa->s[at];
+            s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * sx));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[i]);
+            if (fmt == Q4_1) ext[i] = _mm512_add_ps(ext[i], _mm512_mul_ps(mw, _mm512_set1_ps(dx * (float)sx)));
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(accp + 16 * i, acc[i]), _mm512_storeu_ps(extp + 16 * i, ext[i]);
+}
+
+/* One tile of an int8-activation part: weight rows n0..n0+nb-1 (nb <= W) against input rows
+ * block..end-1 (at most MBLOCK), RMAX at a time and the rest in one call of their count (a
+ * constant in each call, so the accumulators stay in registers); then the outputs. */
+#define ACT8_TILES(NAME, ROWS, W, RMAX, ATTR)                                                               \
+    static inline ATTR void NAME(const act8_rows *xa, const kvlab_part *part, long n0, int nb, long block, \
+                                 long end, const int fmt) {                                                 \
+        const long N = part->N, nn = N - n0 < nb ? N - n0 : nb, nblk = xa->K / QK;                          \
+        act8_panel pn;                                                                                      \
+        float acc[MBLOCK * W], ext[MBLOCK * W];                                                             \
+        memset(acc, 0, sizeof(float) * (end - block) * W);                                                  \
+        memset(ext, 0, sizeof(float) * (end - block) * W);                                                  \
+        for (long kb0 = 0; kb0 < nblk; kb0 += PANEL_BLOCKS) {                                               \
+            const int nk = nblk - kb0 < PANEL_BLOCKS ? (int)(nblk - kb0) : PANEL_BLOCKS;                    \
+            act8_build(&pn, part->w, n0, nn, nblk * BLOCK_BYTES[fmt], kb0, nk, W, fmt);                     \
+            long m0 = block;                                                                                \
+            for (; m0 + RMAX <= end; m0 += RMAX)                                                            \
+                ROWS(&pn, xa, kb0, nk, acc + (m0 - block) * W, ext + (m0 - block) * W, m0, RMAX, fmt);      \
+            float *a = acc + (m0 - block) * W, *e = ext + (m0 - block) * W;                                 \
+            switch (end - m0) {                                                                             \
+            case 1: if (1 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 1, fmt); break;                          \
+            case 2: if (2 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 2, fmt); break;                          \
+            case 3: if (3 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 3, fmt); break;                          \
+            case 4: if (4 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 4, fmt); break;                          \
+            case 5: if (5 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 5, fmt); break;                          \
+            case 6: if (6 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 6, fmt); break;                          \
+            case 7: if (7 < RMAX) ROWS(&pn, xa, kb0, nk, a, e, m0, 7, fmt); break;                          \
+            }                                                                                               \
+        }                                                                                                   \
+        for (long m = block; m < end; m++)                                                                  \
+            for (long j = 0; j < nn; j++) {                                                                 \
+                const long at = (m - block) * W + j;                                                        \
+                float o = fmt == Q4_1 ? acc[at] + ext[at] : acc[at];                                        \
+                if (part->b) o += ((const float *)part->b)[n0 + j];                                         \
+                ((float *)part->y)[m * N + n0 + j] = o;                                                     \
+            }                                                                                               \
+    }
+ACT8_TILES(act8_tiles_avx2_fmt, act8_rows8, 8, 4, __attribute__((always_inline)))
+ACT8_TILES(act8_tiles_avxvnni_fmt, act8_rows8_avxvnni, 8, 4, T_AVXVNNI)
+ACT8_TILES(act8_tiles_vnni_fmt, act8_rows16, 16, 8, T_VNNI)
+
+/* The format as a constant inside each; each ISA's loop in a function of its own target, which
+ * runs only where kvlab_set_vnni found the CPU's. */
 #define ACT8_BY_FORMAT(NAME, FMT_TILES, TARGET)                                                             \
     static __attribute__((target(TARGET), noinline)) void NAME(const act8_rows *xa, const kvlab_part *part, \
-                                                               long n0, int nb, long block, long end, long M) { \
+                                                               long n0, int nb, long block, long end) {     \
         switch (part->fmt & ~KVLAB_ACT8) {                                                                   \
-        case Q8_0: FMT_TILES(xa, part, n0, nb, block, end, M, Q8_0); break;                                  \
-        case Q4_0: FMT_TILES(xa, part, n0, nb, block, end, M, Q4_0); break;                                  \
-        case Q4_1: FMT_TILES(xa, part, n0, nb, block, end, M, Q4_1); break;                                  \
-        default: FMT_TILES(xa, part, n0, nb, block, end, M, Q5_0); break;                                    \
+        case Q8_0: FMT_TILES(xa, part, n0, nb, block, end, Q8_0); break;                                     \
+        case Q4_0: FMT_TILES(xa, part, n0, nb, block, end, Q4_0); break;                                     \
+        case Q4_1: FMT_TILES(xa, part, n0, nb, block, end, Q4_1); break;                                     \
+        default: FMT_TILES(xa, part, n0, nb, block, end, Q5_0); break;                                       \
         }                                                                                                    \
     }
-ACT8_BY_FORMAT(act8_tiles_vnni, act8_tiles_vnni_fmt, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+ACT8_BY_FORMAT(act8_tiles_avx2, act8_tiles_avx2_fmt, "avx2,fma,f16c")
 ACT8_BY_FORMAT(act8_tiles_avxvnni, act8_tiles_avxvnni_fmt, "avx2,fma,f16c,avxvnni")
+ACT8_BY_FORMAT(act8_tiles_vnni, act8_tiles_vnni_fmt, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 
 /* kvlab_quantize_act8's arguments, for the pool's chunks of rows. */
 typedef struct {
@@ -481,9 +581,9 @@ static inline __attribute__((always_inline)) void linear_tiles(const linear_job 
         while (t >= job->first[p + 1]) p++;
         if (parts[p].fmt & KVLAB_ACT8) {
             const long q0 = (t - job->first[p]) * nb;
-            if (use_vnni == KVLAB_VNNI_512) act8_tiles_vnni(&job->xa, &parts[p], q0, nb, block, end, M);
-            else if (use_vnni == KVLAB_VNNI_AVX) act8_tiles_avxvnni(&job->xa, &parts[p], q0, nb, block, end, M);
-            else act8_tiles(&job->xa, &parts[p], q0, nb, block, end, M);
+            if (use_vnni == KVLAB_VNNI_512) act8_tiles_vnni(&job->xa, &parts[p], q0, nb, block, end);
+            else if (use_vnni == KVLAB_VNNI_AVX) act8_tiles_avxvnni(&job->xa, &parts[p], q0, nb, block, end);
+            else act8_tiles_avx2(&job->xa, &parts[p], q0, nb, block, end);
             continue;
         }
         if (!bf16 && parts[p].fmt != DENSE) { /* the format, a constant inside each call */
@@ -526,16 +626,15 @@ static void tiles_bf16_f32(void *job, long t0, long t1) { linear_tiles(job, t0, 
 static void linear(const void *x, const kvlab_part *parts, int np, long M, long K, int threads, int bf16,
                    int ybf16) {
     linear_job job = {.x = x, .parts = parts, .M = M, .K = K, .nb = M == 1 ? 8 : 4};
-    /* one row: more weight rows in flight per pass over x */
-    for (int p = 0; p < np; p++) job.first[p + 1] = job.first[p] + (parts[p].N + job.nb - 1) / job.nb;
-    int act8 = 0;
-    for (int p = 0; p < np; p++) act8 |= parts[p].fmt & KVLAB_ACT8;
+    int act8 = 0, all8 = 1;
+    for (int p = 0; p < np; p++) act8 |= parts[p].fmt & KVLAB_ACT8, all8 &= !!(parts[p].fmt & KVLAB_ACT8);
     kvlab_part exact[KVLAB_MAX_PARTS];
     const long blocks = M * (K / QK);
     uint8_t *buf = act8 ? act8_buffer(blocks * (QK + 8)) : NULL;
     if (act8 && !buf) { /* out of memory for the quantised rows: these parts take fp32 rows */
         for (int p = 0; p < np; p++) exact[p] = parts[p], exact[p].fmt &= ~KVLAB_ACT8;
         job.parts = exact;
+        all8 = 0;
     } else if (act8) { /* the parts share x: quantised once, before any tile reads it */
         int8_t *q = (int8_t *)buf;
         float *d = (float *)(buf + blocks * QK);
@@ -543,6 +642,10 @@ static void linear(const void *x, const kvlab_part *parts, int np, long M, long 
         kvlab_quantize_act8(x, q, d, s, M, K, threads);
         job.xa = (act8_rows){q, d, s, K};
     }
+    /* one row: more weight rows in flight per pass over x; int8 rows alone: a tile of one
+     * register's lanes (act8_tiles_*; mixed with other parts, fewer, in as many lanes) */
+    if (all8) job.nb = use_vnni == KVLAB_VNNI_512 ? 16 : 8;
+    for (int p = 0; p < np; p++) job.first[p + 1] = job.first[p] + (parts[p].N + job.nb - 1) / job.nb;
     const kvlab_task task = !bf16 ? tiles_f32 : ybf16 ? tiles_bf16 : tiles_bf16_f32;
     /* MBLOCK input rows at a time (110 KB at K = 576) stay in L2 while every weight tile passes */
     for (job.block = 0; job.block < M; job.block += MBLOCK) {
@@ -614,10 +717,11 @@ void kvlab_dequantize(const uint8_t *w, float *out, long rows, long K, int fmt, 
 }
 
 /* Take the int8 activations' dot products in VNNI encoding `want` (KVLAB_VNNI_512: AVX512-VNNI
- * with VL; KVLAB_VNNI_AVX: AVX-VNNI; 0: AVX2's) if this CPU has it; returns whether it runs. */
+ * with BW and VL; KVLAB_VNNI_AVX: AVX-VNNI; 0: AVX2's) if this CPU has it; returns whether it runs. */
 int kvlab_set_vnni(int want) {
     __builtin_cpu_init();
     const int has = want == KVLAB_VNNI_512 ? __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+                                                 && __builtin_cpu_supports("avx512bw")
                   : want == KVLAB_VNNI_AVX ? __builtin_cpu_supports("avxvnni")
                                            : 0;
     use_vnni = has ? want : 0;
