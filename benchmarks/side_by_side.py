@@ -30,9 +30,10 @@ makes its own prompt of the same length.
 The peers live outside the repository (`bash benchmarks/peers.sh` builds them): --peers (default
 $PEERS or /work/peers). Results go to --out (default out/side_by_side): each run's output, table.md.
 
-Bounds are the planner's (`kvlab plan smollm2-135m --gpu cpu`, this machine's measured bandwidth
-and fp32 matmul peak) in each row's weight format (int4, with llama.cpp's f16 cache, for every
-row that keeps the file's Q4_1 blocks): batch-1 prefill = prompt tokens / the plan's TTFT at the
+Bounds are the planner's (`kvlab plan smollm2-135m --gpu cpu`: this machine's measured bandwidth,
+and kvlab's own linear kernel's measured rate in the row's activations mode: int8 for the peers'
+quantised dots and kvlab's int8 mode, else fp32) in each row's weight format (int4, with
+llama.cpp's f16 cache, for every row that keeps the file's Q4_1 blocks): batch-1 prefill = prompt tokens / the plan's TTFT at the
 prompt's length; decode = the plan's decode tokens/s at the mean decode context (prompt + half the
 output, as `kvlab bench` takes it); the mix = its output tokens over the longer of its FLOPs at the
 peak and (longest output) decode steps each reading the weights once.
@@ -75,6 +76,7 @@ class Row:
     single: float | None = None  # batch 1: output tokens / the whole request's time
     mix: float | None = None  # the mix: output tokens/s over the run
     commands: list[str] = field(default_factory=list)
+    acts: str = "fp32"  # the activations of its bounds: int8 where the engine quantises its matmuls' inputs
 
 
 def run(cmd: list[str], out: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> str:
@@ -183,27 +185,32 @@ class Bounds:
     mix: float
 
 
-def planner_bounds(fmt: str, prompt: int, output: int, mix: list[tuple[list[int], int]]) -> tuple[Bounds, str]:
+def planner_bounds(fmt: str, acts: str, prompt: int, output: int,
+                   mix: list[tuple[list[int], int]]) -> tuple[Bounds, str]:
     """`kvlab plan`'s figures for a row (see the module's docstring); the commands that show them."""
+    from kvlab.bench import kernel_peak
     from kvlab.catalog import load_spec
-    from kvlab.hardware import cpu_device
+    from kvlab.hardware import kernel_flops
     from kvlab.plan import PlanRequest, generation_flops, make_plan
 
     spec = load_spec(MODEL)
     kv = "fp16" if fmt == "int4" else fmt  # llama.cpp caches K and V in f16
+    rate = kernel_flops(acts, lambda: kernel_peak(acts))  # what `kvlab plan --gpu cpu` measures
 
     def plan(context: int):
-        return make_plan(spec, PlanRequest(context=context, kv_dtype=kv, weights_dtype=fmt, gpu="cpu"))
+        return make_plan(spec, PlanRequest(context=context, kv_dtype=kv, weights_dtype=fmt, gpu="cpu",
+                                           activations=acts, kernel_flops=rate))
 
     first, steady = plan(prompt), plan(prompt + output // 2)
     work = sum(generation_flops(spec, len(p), n) for p, n in mix)
-    seconds = max(work / cpu_device().flops, max(n for _, n in mix) * steady.decode_weights_seconds)
-    cmd = f"kvlab plan {MODEL} --gpu cpu --weights-dtype {fmt} --kv-dtype {kv} --context"
+    seconds = max(work / rate, max(n for _, n in mix) * steady.decode_weights_seconds)
+    cmd = f"kvlab plan {MODEL} --gpu cpu --weights-dtype {fmt} --kv-dtype {kv} --activations {acts} --context"
     return (Bounds(prompt / first.ttft_seconds, steady.decode_tokens_per_s, sum(n for _, n in mix) / seconds),
             f"`{cmd} {prompt}` (TTFT), `{cmd} {prompt + output // 2}` (decode)")
 
 
-def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], mix_desc: str, notes: list[str]) -> str:
+def table(rows: list[Row], bounds: dict[tuple[str, str], tuple[Bounds, str]], mix_desc: str,
+          notes: list[str]) -> str:
     """The markdown table, `notes` as its paragraph, then every row's and bound's commands."""
     def cell(value: float | None, bound: float | None) -> str:
         if value is None:
@@ -213,14 +220,15 @@ def table(rows: list[Row], bounds: dict[str, tuple[Bounds, str]], mix_desc: str,
     lines = [f"| engine | weights | batch 1 prefill tok/s | batch 1 decode tok/s | batch 1 overall tok/s "
              f"| {mix_desc}: output tok/s |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        b = bounds[r.fmt][0]
+        b = bounds[r.fmt, r.acts][0]
         lines.append(f"| {r.engine} | {r.weights} | {cell(r.prefill, b.prefill)} | {cell(r.decode, b.decode)} "
                      f"| {cell(r.single, None)} | {cell(r.mix, b.mix)} |")
-    for fmt, (b, _) in bounds.items():
-        lines.append(f"| planner's bound, {fmt} weights | | {b.prefill:,.1f} | {b.decode:,.1f} | | {b.mix:,.1f} |")
+    for (fmt, acts), (b, _) in bounds.items():
+        lines.append(f"| planner's bound, {fmt} weights, {acts} activations | | {b.prefill:,.1f} | {b.decode:,.1f} "
+                     f"| | {b.mix:,.1f} |")
     lines += ["", " ".join(notes), "", "Commands:", ""]
     lines += [f"- {r.engine}, {r.weights}: " + "; ".join(f"`{c}`" for c in r.commands) for r in rows]
-    lines += [f"- bounds, {fmt} weights: {cmds}" for fmt, (_, cmds) in bounds.items()]
+    lines += [f"- bounds, {fmt} weights, {acts} activations: {cmds}" for (fmt, acts), (_, cmds) in bounds.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -237,7 +245,7 @@ def kvlab_row(engine: str, single: dict, batch: dict, prompt: int, cmds: list[st
     else:
         weights, fmt = f"{dtype} {single['weights']}", dtype
     return Row(engine, weights, fmt, prompt / single["ttft_first_s"], single["decode_tokens_per_s"],
-               single["output_tokens_per_s"], batch["output_tokens_per_s"], cmds)
+               single["output_tokens_per_s"], batch["output_tokens_per_s"], cmds, single["activations"])
 
 
 def auto_dtype(gguf: Path) -> DtypeChoice:
@@ -369,7 +377,8 @@ def main() -> int:
         mix_tps, scmd = llama_server_mix(bins / "llama-server", file, mix_requests, t, out / f"llama-server-{fmt}.json")
         overall = args.output_len / ((args.input_len + args.output_len) / rate["pg"])
         rows.append(Row("llama.cpp (llama-bench; llama-server for the mix)", label, fmt, rate["pp"], rate["tg"],
-                        overall, mix_tps, [*extra, bcmd, scmd + " (the requests sent together to /v1/completions)"]))
+                        overall, mix_tps, [*extra, bcmd, scmd + " (the requests sent together to /v1/completions)"],
+                        "int8" if fmt == "int4" else "fp32"))  # ggml's quantised dots take Q8 inputs
         ref[engine] = rows[-1]
 
     if "openvino" in engines:
@@ -379,7 +388,7 @@ def main() -> int:
         rows.append(Row(f"OpenVINO GenAI {o1['version'].split('-')[0]} (ContinuousBatchingPipeline)",
                         "Q4_1 GGUF (as shipped: u4 blocks)", "int4", args.input_len / o1["ttft_s"],
                         o1["decode_tokens_per_s"], o1["output_tokens_per_s"], om["output_tokens_per_s"],
-                        [oc1, ocm + " (the requests submitted together)"]))
+                        [oc1, ocm + " (the requests submitted together)"], "int8"))  # its int8 dynamic quantisation
         ref["openvino"] = rows[-1]
         settings = ", ".join(f"{k} {v}" for k, v in om["cpu_defaults"].items())
         notes.append(f"OpenVINO's CPU defaults, kept: {settings}; its mix used {om['cpu_s']:.1f} CPU s in "
@@ -398,8 +407,8 @@ def main() -> int:
         notes.append(f"kvlab --activations int8 against llama-bench: batch-1 decode "
                      f"{ref['kvlab-int8'].decode / ref['llamacpp'].decode:.2f}x (target >= 1.2x).")
 
-    bounds = {fmt: planner_bounds(fmt, args.input_len, args.output_len, mix_requests)
-              for fmt in dict.fromkeys(r.fmt for r in rows)}
+    bounds = {key: planner_bounds(*key, args.input_len, args.output_len, mix_requests)
+              for key in dict.fromkeys((r.fmt, r.acts) for r in rows)}
     desc = f"{args.num_requests} requests, in {'{}:{}'.format(*args.mix_input_len)}, out {'{}:{}'.format(*args.mix_output_len)}"
     text = table(rows, bounds, desc, notes)
     (out / "table.md").write_text(text)

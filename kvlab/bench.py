@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,8 +25,10 @@ from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
 from kvlab.options import EngineOptions
 from kvlab.engine.sequence import Sequence
 from kvlab.hardware import cpu_device
-from kvlab.models.llama import CausalLM
-from kvlab.models.weights import held_bytes, held_formats
+from kvlab.dispatch import backends
+from kvlab.models.llama import CausalLM, Linear, LMHead
+from kvlab.models.methods import Setting
+from kvlab.models.weights import FORMATS, QuantLinear, held_bytes, held_formats
 from kvlab.plan import forward_flops, generation_flops
 from kvlab.plan.memory import weights_split
 from kvlab.plan.speed import weights_read
@@ -101,7 +104,7 @@ class BenchResult:
     work_flops: float = 0.0  # the workload's FLOPs (`kvlab.plan.generation_flops`, all requests)
     decode_tokens_per_s: float | None = None  # single request: tokens after the first / time
     bound_tokens_per_s: float | None = None  # memory-bandwidth bound of `kvlab plan --gpu cpu`
-    matmul_peak_flops: float | None = None  # measured: one large matmul in the model's dtype
+    matmul_peak_flops: float | None = None  # measured: the model's largest linear layer as it runs
     compute_bound_tokens_per_s: float | None = None  # output tokens / (work at the matmul peak)
     # the engine's steps by phase: prefill steps compute a prompt token or more, decode steps one
     # new token per sequence; their FLOPs from `kvlab.plan.forward_flops`, decode's bytes are the
@@ -339,24 +342,57 @@ def run_hf(model: CausalLM, work: Workload, batch_size: int,
     return useful / (time.perf_counter() - t0), outputs
 
 
-def matmul_peak(model: CausalLM, rows: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of this machine's best case for the model: one [rows, hidden] x [hidden,
-    intermediate] matmul in the model's dtype on its device, at the current thread count (best
-    of `repeats`). A workload's FLOPs at this rate give the compute bound of its throughput."""
-    k, n = model.spec.hidden_size, int(model.config["intermediate_size"])
-    a = torch.randn(rows, k, dtype=model.dtype, device=model.device)
-    b = torch.randn(k, n, dtype=model.dtype, device=model.device)
-    a @ b  # warm-up: kernels, caches, thread pool
+def layer_peak(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device, rows: int,
+               repeats: int = 3) -> float:
+    """FLOP/s of one linear layer's forward (its method, as its model chose it) on ``rows``
+    random input rows, at the current thread count, best of ``repeats`` after a warm-up."""
+    x = torch.randn(rows, layer.in_features, dtype=dtype, device=device)
     best = float("inf")
-    for _ in range(repeats):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        a @ b
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * rows * k * n / best
+    with torch.inference_mode():
+        layer(x)  # warm-up: kernels, caches, thread pool
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            layer(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+    return 2 * rows * layer.in_features * layer.out_features / best
+
+
+def matmul_peak(model: CausalLM, rows: int = 2048) -> float:
+    """FLOP/s of this machine's best case for the model as it runs: its largest linear layer
+    (the last of them, an MLP's down projection, which a model that packs weights packs) on
+    ``rows`` rows through the method the model chose, so the figure is the activations mode's
+    and the weights' own (kvlab's block kernel in fp32 or int8, oneDNN's packed copy, PyTorch's
+    GEMM). A workload's FLOPs at this rate give the compute bound of its throughput."""
+    linears = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear)) and not isinstance(m, LMHead)]
+    layer = max(reversed(linears), key=lambda m: m.in_features * m.out_features)
+    return layer_peak(layer, model.dtype, model.device, rows)
+
+
+# kernel_peak's matrix: the default model's format, square and large enough that 256 rows run
+# at the kernel's steady rate (a prefill chunk's tiles, not the small-batch ones)
+PEAK_FORMAT, PEAK_SIZE, PEAK_ROWS = "Q4_1", 2048, 256
+
+
+def kernel_peak(activations: str) -> float:
+    """FLOP/s of kvlab's linear kernel on this CPU in an activations mode (fp32 or int8): a
+    random Q4_1 matrix held as stored, run as the engine's deterministic mode runs it (the
+    native kernel at every row count where it runs, else the dequantised weight through
+    PyTorch: what ``kvlab.dispatch`` decides here). The planner's CPU compute rate
+    (``kvlab.hardware.kernel_flops`` caches it)."""
+    fmt = FORMATS[PEAK_FORMAT]
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (PEAK_SIZE, fmt.row_bytes(PEAK_SIZE)), dtype=torch.uint8, generator=gen)
+    # every block's two fp16 factors (d, m) a normal number: no NaN, no subnormal slow paths
+    scales = blocks.view(PEAK_SIZE, -1, fmt.block_bytes)[:, :, :4]
+    scales.copy_(torch.tensor([0.01, -0.05], dtype=torch.float16).view(torch.uint8).expand_as(scales))
+    layer = QuantLinear(fmt, blocks, PEAK_SIZE)
+    layer.choose(Setting(backends(), torch.float32, torch.device("cpu"), native_rows=sys.maxsize,
+                         activations=activations))
+    return layer_peak(layer, torch.float32, torch.device("cpu"), PEAK_ROWS)
 
 
 def add_compute_bound(result: BenchResult, model: CausalLM) -> None:

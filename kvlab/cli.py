@@ -88,7 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, dp_attention=args.dp_attention,
                       vllm=vllm, llamacpp=llamacpp, model_file=str(path) if path else None,
                       kv_offload_ram=args.kv_offload_ram, kv_offload_dir=args.kv_offload_dir,
-                      kv_offload_disk=args.kv_offload_disk, disk_read_rate=args.disk_read_rate)
+                      kv_offload_disk=args.kv_offload_disk, disk_read_rate=args.disk_read_rate,
+                      activations=args.activations, kernel_flops=_kernel_flops(args))
     plan = make_plan(spec, req)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
@@ -97,6 +98,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print_plan(plan)
     return 0
+
+
+def _kernel_flops(args: argparse.Namespace) -> float | None:
+    """The CPU plan's compute rate: kvlab's own kernel in the activations mode, measured once
+    (torch is imported for it the first time only; later plans read the cached figure)."""
+    if args.gpu.lower() != "cpu":
+        return None
+    from kvlab.hardware import kernel_flops
+
+    def measure() -> float:
+        from kvlab.bench import kernel_peak
+
+        return kernel_peak(args.activations)
+
+    return kernel_flops(args.activations, measure)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -430,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "fp16, fp8, int8, int4, mxfp4")
     p.add_argument("--gpu", default="h100-sxm", help="h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, l4, "
                    "l40s, rtx-3060, rtx-4090, mi300x, b200, or cpu (this machine)")
+    add_model_args(p, only=("activations",))
     p.add_argument("--gpus", type=positive_int, help="GPUs in the deployment (default: --tp, else 1)")
     p.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: --gpus)")
     p.add_argument("--mem-util", "--gpu-memory-utilization", dest="mem_util", type=float, default=0.9,

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ class Device:
     name: str
     memory_bytes: int
     bandwidth: float  # bytes/s
-    flops: float  # dense 16-bit FLOP/s (cpu: measured fp32 matmul)
+    flops: float  # dense 16-bit FLOP/s (cpu: measured fp32 matmul; with_flops: kvlab's own kernel)
     source: str
     host_bandwidth: float | None = None  # host RAM -> device bytes/s (None: the device is the host)
 
@@ -62,6 +63,12 @@ def with_memory(device: Device, memory_bytes: int) -> Device:
         device, name=f"{device.name} (memory from --gpu-memory)",
         memory_bytes=memory_bytes,
         source=f"{device.source}; memory overridden by --gpu-memory")
+
+
+def with_flops(device: Device, flops: float, source: str) -> Device:
+    """The same device computing at ``flops`` FLOP/s, measured as ``source`` says (kvlab's own
+    kernel in an activations mode, in place of the generic matmul probe)."""
+    return dataclasses.replace(device, flops=flops, source=f"{device.source}; FLOP/s: {source}")
 
 
 # How the figures were measured: a cache written another way is measured again.
@@ -198,16 +205,37 @@ def disk_read_rate(directory: Path) -> float:
     """Sequential read rate from the device that holds ``directory``, in bytes/s: measured once
     per device of this machine (``sequential_read_rate``) and cached in DISK_FILE."""
     where = _existing(directory)
-    device = f"{cpu_identity()}, device {os.stat(where).st_dev}"
+    return _measured_once(DISK_FILE, f"{cpu_identity()}, device {os.stat(where).st_dev}",
+                          lambda: sequential_read_rate(where)[0])
+
+
+# --- kvlab's own kernels ----------------------------------------------------------------------
+
+KERNEL_FILE = CACHE_DIR / "kernels.json"
+
+
+def kernel_flops(mode: str, measure: Callable[[], float]) -> float:
+    """FLOP/s of kvlab's linear kernel on this CPU in activations ``mode``: ``measure()`` (which
+    runs the kernel: ``kvlab.bench.kernel_peak``, from a layer above this one) once per CPU,
+    mode and kvlab switch setting, cached in KERNEL_FILE. Torch's thread count follows
+    OMP_NUM_THREADS, which the key holds too."""
+    env = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                   if k.startswith("KVLAB_") or k == "OMP_NUM_THREADS")
+    return _measured_once(KERNEL_FILE, f"{cpu_identity()}, {mode}, {env}", measure)
+
+
+def _measured_once(path: Path, key: str, measure: Callable[[], float]) -> float:
+    """``measure()`` the first time ``key`` is asked for, then the figure cached in the JSON
+    file ``path`` (a read-only home only costs a re-measurement next time)."""
     try:
-        known = json.loads(DISK_FILE.read_text())
+        known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if device not in known:
-        known[device] = sequential_read_rate(where)[0]
+    if key not in known:
+        known[key] = measure()
         try:
-            DISK_FILE.parent.mkdir(parents=True, exist_ok=True)
-            DISK_FILE.write_text(json.dumps(known))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(known))
         except OSError:
-            pass  # a read-only home only costs a re-measurement next time
-    return float(known[device])
+            pass
+    return float(known[key])

@@ -92,6 +92,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(t)
 
     t = _table("Speed bounds: each step takes the longer of bytes / bandwidth and FLOPs / peak")
+    t.add_row("peak compute", f"{p.device_flops / 1e9:,.0f} GFLOP/s", p.device_flops_why)
     reads = p.decode_weights_seconds + p.decode_kv_seconds
     limit = "compute-bound" if p.decode_compute_seconds > reads else "memory-bound"
     t.add_row("decode step", fmt_seconds(p.decode_step_seconds),
@@ -277,7 +278,7 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
         if r.hf_output_tokens_per_s:
             share += f", transformers at {r.hf_output_tokens_per_s / r.compute_bound_tokens_per_s:.0%}"
         t.add_row("compute bound (output tokens/s)", f"{r.compute_bound_tokens_per_s:,.1f}",
-                  f"{fmt_flops(r.work_flops)} at the measured matmul peak "
+                  f"{fmt_flops(r.work_flops)} at the model's largest layer's measured rate "
                   f"{r.matmul_peak_flops / 1e9:,.0f} GFLOP/s; {share}")
     if r.prefill_peak_fraction is not None:
         t.add_row("prefill steps: of the matmul peak", f"{r.prefill_peak_fraction:.1%}",

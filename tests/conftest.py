@@ -14,10 +14,11 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _cpu_cache(tmp_path_factory, monkeypatch):
-    """Keep the measured-CPU cache out of the user's home."""
+    """Keep the measured-CPU caches out of the user's home."""
     import kvlab.hardware as hw
 
     monkeypatch.setattr(hw, "CACHE_FILE", tmp_path_factory.getbasetemp() / "kvlab-cpu.json")
+    monkeypatch.setattr(hw, "KERNEL_FILE", tmp_path_factory.getbasetemp() / "kvlab-kernels.json")
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvlab import kernels
+from kvlab import dispatch, kernels
 from kvlab.bench import Workload, add_compute_bound, bandwidth_bound, parse_range, run_engine, run_hf
 from kvlab.cli import main
 from kvlab.options import EngineOptions
@@ -162,3 +162,20 @@ def test_cli_bench_json_on_the_bundled_model(capsys):
     assert r["prefill_flops"] + r["decode_flops"] == pytest.approx(r["work_flops"])
     for phase in ("prefill_peak_fraction", "decode_peak_fraction", "decode_bandwidth_fraction"):
         assert r[phase] > 0
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_the_compute_peaks_time_the_kernels_the_mode_runs(tmp_path, monkeypatch, activations):
+    """kernel_peak (the planner's CPU rate) and matmul_peak (bench's bound) run the method a model
+    in that mode runs: the native block kernel, with ACT8 in the int8 mode, where it runs."""
+    import kvlab.bench as bench
+
+    calls = []
+    real = kernels.linear_q
+    monkeypatch.setattr(kernels, "linear_q", lambda x, b, fmt, bias: calls.append(fmt) or real(x, b, fmt, bias))
+    assert bench.kernel_peak(activations) > 0
+    folder = make_checkpoint(tmp_path / "hf", "llama")
+    write_tiny_gguf(folder, tmp_path / "m.gguf", "llama", Q.Q4_1)
+    assert bench.matmul_peak(load(tmp_path / "m.gguf", activations=activations).model, rows=64) > 0
+    if dispatch.backends().native:
+        assert calls and all(bool(fmt & kernels.ACT8) == (activations == "int8") for fmt in calls)

@@ -163,3 +163,46 @@ def test_cli_plan_new_tokens_and_json_fields(capsys):
     assert "decode FLOP per byte" in text and "compute-bound from batch" in text and "FLOPs without" in text
     assert main(["plan", "llama-3.1-8b", "--new-tokens", "0"]) == 2
     assert capsys.readouterr().err == "kvlab plan: argument --new-tokens: need positive whole numbers, got '0'\n"
+
+
+def test_a_cpu_plan_computes_at_kvlabs_own_kernel_rate():
+    """kernel_flops (kvlab's kernel in the activations mode, measured by the CLI) replaces the
+    matmul probe in every compute bound: a compute-bound prefill takes FLOPs / that rate."""
+    spec = load_spec("smollm2-135m")
+    slow, fast = (make_plan(spec, PlanRequest(context=4096, gpu="cpu", kernel_flops=f, activations=a))
+                  for f, a in ((1e9, "fp32"), (4e9, "int8")))
+    assert (slow.device_flops, fast.device_flops) == (1e9, 4e9)
+    assert slow.ttft_seconds == pytest.approx(prefill_flops(spec, 4096) / 1e9)
+    assert fast.ttft_seconds == pytest.approx(prefill_flops(spec, 4096) / 4e9)
+    assert "int8 activations" in fast.device_flops_why and fast.activations == "int8"
+    assert "kvlab's linear kernel" in fast.sources["device"]
+    assert make_plan(spec, PlanRequest(gpu="cpu")).device_flops_why == "an fp32 matmul probe (numpy)"
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"activations": "int8", "gpu": "h100-sxm"}, "--activations int8 is a mode of kvlab's CPU kernels"),
+    ({"activations": "int4", "gpu": "cpu"}, "--activations must be fp32 or int8"),
+    ({"kernel_flops": 1e12, "gpu": "h200"}, "kernel_flops is the rate of kvlab's CPU kernels")])
+def test_activations_that_cannot_be_planned_say_so(over, message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(load_spec("smollm2-135m"), PlanRequest(**over))
+
+
+def test_cli_cpu_plan_measures_the_modes_kernel_once(capsys, monkeypatch):
+    """`kvlab plan --gpu cpu --activations M` times kvlab's kernel in mode M the first time (a
+    real run of kvlab.bench.kernel_peak), then reads the figure cached for this CPU and mode."""
+    import kvlab.bench
+
+    def plan(mode: str) -> dict:
+        assert main(["plan", "smollm2-135m", "--gpu", "cpu", "--context", "2048", "--activations", mode,
+                     "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    timed = []
+    real = kvlab.bench.kernel_peak
+    monkeypatch.setattr(kvlab.bench, "kernel_peak", lambda mode: timed.append(mode) or real(mode))
+    first = plan("int8")
+    assert timed == ["int8"] and first["activations"] == "int8" and first["device_flops"] > 1e8
+    assert first["ttft_seconds"] >= first["prefill_flops"] / first["device_flops"] * (1 - 1e-9)
+    assert plan("int8")["device_flops"] == first["device_flops"] and timed == ["int8"]
+    assert plan("fp32")["activations"] == "fp32" and timed == ["int8", "fp32"]

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 from kvlab.dtypes import StorageDtype, kv_dtype, weight_dtype
 from kvlab.layout import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacity, memory_budget
-from kvlab.hardware import Device, default_disk_budget, disk_read_rate, get_device, with_memory
+from kvlab.hardware import (KERNEL_FILE, Device, default_disk_budget, disk_read_rate, get_device, with_flops,
+                             with_memory)
 from kvlab.plan import capacity, speed
 from kvlab.plan.tiers import TierPlan, disk_load, plan_tier, ram_load, recompute_seconds
 from kvlab.plan.engines import llamacpp, vllm
@@ -55,6 +56,11 @@ class PlanRequest:
     kv_offload_dir: str | None = None
     kv_offload_disk: int | None = None
     disk_read_rate: float | None = None
+    # the matmuls' inputs on kvlab's CPU engine (fp32: exact; int8: quantised per 32 values), and
+    # the FLOP/s its own kernel reaches in that mode here (kvlab.bench.kernel_peak; the CLI
+    # measures it once), in place of the generic matmul probe's: the compute bounds of the mode
+    activations: str = "fp32"
+    kernel_flops: float | None = None
 
     def validate(self, spec: ModelSpec) -> None:
         checks = [
@@ -77,6 +83,11 @@ class PlanRequest:
             (self.disk_read_rate is None or self.disk_read_rate > 0, "--disk-read-rate must be positive"),
             (self.disk_read_rate is None or self.kv_offload_dir is not None or self.kv_offload_disk,
              "--disk-read-rate is the rate of a disk tier: give --kv-offload-disk or --kv-offload-dir"),
+            (self.activations in ("fp32", "int8"), f"--activations must be fp32 or int8, got {self.activations}"),
+            (self.activations == "fp32" or self.gpu == "cpu",
+             "--activations int8 is a mode of kvlab's CPU kernels: plan it with --gpu cpu"),
+            (self.kernel_flops is None or (self.gpu == "cpu" and self.kernel_flops > 0),
+             "kernel_flops is the rate of kvlab's CPU kernels: a positive FLOP/s with gpu='cpu'"),
             (not self.dp_attention or spec.is_mla,
              f"--dp-attention is for MLA models, whose cache TP replicates; {spec.name} splits "
              f"its KV heads across TP ranks already"),
@@ -93,6 +104,7 @@ class Plan:
     users: int
     kv_dtype: str
     weights_dtype: str
+    activations: str  # the matmuls' inputs the compute bounds are for: fp32 or int8
     gpu: str
     tp: int
     gpus: int
@@ -141,6 +153,8 @@ class Plan:
     decode_tokens_per_s: float
     decode_flops_per_token: float  # one token attending to `context` keys
     decode_flops_per_byte: float  # the step's FLOPs / bytes it reads, per GPU
+    device_flops: float  # the peak of every compute bound (cpu: kvlab's kernel's rate where measured)
+    device_flops_why: str
     device_flops_per_byte: float  # peak FLOP/s / bandwidth: the intensity compute-bound needs
     compute_bound_batch: int | None  # sequences per GPU from which decode is compute-bound
     ttft_seconds: float  # max(prefill FLOPs / peak, weights read + cache written / bandwidth)
@@ -231,8 +245,12 @@ def choose_weights(spec: ModelSpec, req: PlanRequest, device: Device) -> Weights
 
 
 def choose_device(req: PlanRequest) -> Device:
-    """--gpu's datasheet; --gpu-memory replaces its memory only, and the device's name says so."""
+    """--gpu's datasheet; --gpu-memory replaces its memory only, and the device's name says so;
+    the CPU computes at kvlab's kernel's measured rate where the request has it."""
     device = get_device(req.gpu)
+    if req.kernel_flops:
+        device = with_flops(device, req.kernel_flops, f"kvlab's linear kernel, {req.activations} activations, "
+                            f"a Q4_1 matrix held as stored (kvlab.bench.kernel_peak; cached in {KERNEL_FILE})")
     return with_memory(device, req.gpu_memory) if req.gpu_memory else device
 
 
@@ -402,6 +420,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
 
     return Plan(
         model=spec.name, context=T, users=B, kv_dtype=kvd.name, weights_dtype=weights.name,
+        activations=req.activations,
         gpu=device.key, tp=tp, gpus=gpus,
         kv_bytes_per_token=spec.kv_bytes_per_token(kvd), kv_bytes_per_sequence=per_seq,
         kv_bytes_total=per_seq * B, kv_bytes_per_gpu=per_seq_gpu,
@@ -428,7 +447,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         decode_tokens_per_s=batch * seq_ranks / max(t_w + t_kv, t_c),
         decode_flops_per_token=token_flops,
         decode_flops_per_byte=decode_compute(batch) / (weights_read(batch) + batch * per_seq_gpu),
-        device_flops_per_byte=device.flops / device.bandwidth,
+        device_flops=device.flops, device_flops_per_byte=device.flops / device.bandwidth,
+        device_flops_why=(f"kvlab's linear kernel here, {req.activations} activations (measured once)"
+                          if req.kernel_flops else "an fp32 matmul probe (numpy)" if device.key == "cpu"
+                          else "the datasheet's dense bf16"),
         compute_bound_batch=speed.first_reached(compute_bound),
         ttft_seconds=max(flops / (device.flops * tp), (w_bytes / tp + per_seq_gpu) / device.bandwidth),
         prefill_flops=flops,
