@@ -5,7 +5,8 @@
 Two measures, both against the same model loaded with `--activations fp32`:
 - greedy agreement: the README's prompts (and a 512-token opening of the bundled long text),
   generated greedily in each mode through the generation loop; for each, the number of new tokens
-  before the first difference, and whether the two outputs are equal;
+  before the first difference, whether the two outputs are equal, and the exact mode's margin
+  between its two best first tokens (a near-tie there is one that 8-bit inputs can reorder);
 - teacher-forced agreement: one forward over --text-tokens tokens of the long text in each mode;
   the fraction of positions whose argmax is the same, and the largest |logit difference|. Greedy
   outputs diverge for good once one near-tie flips (each token then conditions on a different
@@ -50,8 +51,11 @@ def main() -> None:
         outs = {a: generate(m.model, ids, params, m.tokenizer).token_ids for a, m in modes.items()}
         a, b = outs["fp32"], outs["int8"]
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        with torch.inference_mode():
+            first = modes["fp32"].model(torch.tensor(ids), torch.arange(len(ids)), NoCache(modes["fp32"].model.spec))
+        top2 = first[-1].float().topk(2).values.tolist()
         greedy.append({"prompt": name, "new_fp32": len(a), "new_int8": len(b), "same_before_first_difference": same,
-                       "equal": a == b})
+                       "equal": a == b, "first_token_margin_fp32": top2[0] - top2[1]})
 
     ids = torch.tensor(text_ids[:args.text_tokens])
     with torch.inference_mode():
@@ -59,10 +63,10 @@ def main() -> None:
     top = (logits["fp32"].argmax(-1) == logits["int8"].argmax(-1)).float().mean().item()
     gap = (logits["fp32"] - logits["int8"]).abs().max().item()
 
-    print(f"{'prompt':<44} {'new tokens':>10} {'same before first difference':>29}")
+    print(f"{'prompt':<44} {'new tokens':>10} {'same before first difference':>29} {'first-token margin':>19}")
     for g in greedy:
         print(f"{g['prompt'][:44]:<44} {g['new_fp32']:>10} {g['same_before_first_difference']:>29}"
-              f"{'  (equal)' if g['equal'] else ''}")
+              f" {g['first_token_margin_fp32']:>19.3f}{'  (equal)' if g['equal'] else ''}")
     print(f"teacher-forced over {len(ids)} tokens of the long text: argmax agrees at {top:.1%} of positions, "
           f"largest |logit difference| {gap:.3f}")
     print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "greedy": greedy,

@@ -2,11 +2,15 @@
 
 - linear: weight GB/s and GFLOP/s of ``F.linear`` (MKL's sgemm) and ``kvlab.kernels.linear`` over
   1-512 rows, each weight a distinct tensor (as in a forward pass, so the weights come from memory);
+- stored: ``kvlab.kernels.linear_q`` on a GGUF block format's random blocks (the bundled model's
+  Q4_1 and Q8_0, its shapes), fp32 activations (exact) against int8 (``fmt | ACT8``), GFLOP/s over
+  1-512 rows, the weights resident (one matrix, called again and again);
 - decode attention: a decode step's attention over a batch of sequences, PyTorch's path (gather the
   slots with ``index_select``, then SDPA) against ``kvlab.kernels.paged_attention`` reading the
-  paged cache in place.
+  paged cache in place, and kvlab's as GB/s of K/V read (each cached byte once) against this
+  machine's measured read bandwidth (``kvlab plan --gpu cpu``'s).
 
-    .venv/bin/python benchmarks/kernels.py --threads 2
+    .venv/bin/python benchmarks/kernels.py --threads 2 [--tables linear,stored,attention]
 
 docs/benchmarks.md ("#11 native kernels") quotes it. Timings are best-of-3 means; the machine's
 noise is several percent, so compare columns of one run.
@@ -55,14 +59,41 @@ def linear_table() -> None:
                   f" {t_mkl / t_own:8.2f}x")
 
 
+def stored_table() -> None:
+    from kvlab.models.weights import FORMATS
+
+    print("\nstored blocks: GFLOP/s of linear_q, fp32 activations (exact) vs int8 activations")
+    print(f"{'format':>6} {'weight':>12} {'rows':>5} {'fp32':>8} {'int8':>8} {'int8/fp32':>10}")
+    g = torch.Generator().manual_seed(0)
+    for name in ("Q4_1", "Q8_0"):
+        fmt = FORMATS[name]
+        for n, k in SHAPES:
+            blocks = torch.randint(0, 256, (n, fmt.row_bytes(k)), dtype=torch.uint8, generator=g)
+            scales = blocks.view(n, -1, fmt.block_bytes)[:, :, :2]  # d: a normal fp16 (Q4_1's m too, below)
+            scales.copy_(torch.tensor([0.01], dtype=torch.float16).view(torch.uint8).expand_as(scales))
+            for m in ROWS:
+                x = torch.randn(m, k)
+                calls = max(3, int(2e9 / (2 * m * n * k)))
+                t32, t8 = (best_mean(lambda c=c: kernels.linear_q(x, blocks, c, None), calls)
+                           for c in (fmt.code, fmt.code | kernels.ACT8))
+                gf = 2 * m * n * k / 1e9
+                print(f"{name:>6} {n:>6}x{k:<5} {m:>5} {gf / t32:8.1f} {gf / t8:8.1f} {t32 / t8:9.2f}x")
+
+
 def attention_table() -> None:
-    print("\ndecode attention (9 query / 3 KV heads, head_dim 64, fp32 cache): microseconds a layer")
-    print(f"{'batch':>5} {'keys':>6} {'gather + SDPA':>14} {'kvlab':>8} {'speed-up':>9}")
+    from kvlab.hardware import cpu_device
+
+    bandwidth = cpu_device().bandwidth
+    print(f"\ndecode attention (9 query / 3 KV heads, head_dim 64, fp32 cache): microseconds a layer; kvlab's K/V "
+          f"read in GB/s, of the measured {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'batch':>5} {'keys':>6} {'gather + SDPA':>14} {'kvlab':>8} {'speed-up':>9} {'kvlab GB/s':>11}")
     kv, heads, d, block = 3, 9, 64, 16
-    for batch, length in ((1, 256), (1, 2048), (16, 256), (16, 768)):
+    for batch, length in ((1, 256), (1, 2048), (1, 8192), (2, 16384), (16, 256), (16, 400), (16, 768), (64, 512)):
         blocks = batch * length // block + 1
         k_cache, v_cache = torch.randn(kv, blocks, block, d), torch.randn(kv, blocks, block, d)
-        slots = torch.randperm(blocks * block)[:batch * length].view(batch, length)
+        # each sequence's keys in whole blocks scattered over the pool, as the engine's block tables lay them
+        order = torch.randperm(blocks)[:batch * length // block].view(batch, -1)
+        slots = (order[:, :, None] * block + torch.arange(block)).view(batch, length)
         lengths = torch.full((batch,), length)
         q = torch.randn(batch, heads, d)
 
@@ -73,21 +104,25 @@ def attention_table() -> None:
 
         t_torch = best_mean(gathered, 50)
         t_own = best_mean(lambda: kernels.paged_attention(q, k_cache, v_cache, slots, lengths), 50)
-        print(f"{batch:>5} {length:>6} {t_torch * 1e6:14.0f} {t_own * 1e6:8.0f} {t_torch / t_own:8.2f}x")
+        read = batch * length * kv * 2 * d * 4  # each cached K and V byte once
+        print(f"{batch:>5} {length:>6} {t_torch * 1e6:14.0f} {t_own * 1e6:8.0f} {t_torch / t_own:8.2f}x "
+              f"{read / t_own / 1e9:6.1f} ({read / t_own / bandwidth:.0%})")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tables", default="linear,attention", help="which tables: linear, attention (default both)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     here = dispatch.backends()  # also turns the AVX-512 loops on where they run
     if not here.native:
         raise SystemExit(f"kvlab's kernels do not run here: {here.native.why}")
     print(f"{args.threads} threads; {here.line()}")
+    tables = {"linear": linear_table, "stored": stored_table, "attention": attention_table}
     with torch.inference_mode():
-        linear_table()
-        attention_table()
+        for name in args.tables.split(","):
+            tables[name]()
 
 
 if __name__ == "__main__":

@@ -174,6 +174,25 @@ def test_paged_attention_is_sdpa_over_each_rows_slots(cache_dtype, heads, kv, d)
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_scores_a_kv_heads_group_as_each_head_alone(cache_dtype):
+    """GQA in one pass: the query heads sharing a KV head score its keys together, 8 at a time
+    (hsum8), and get the bits each head gets alone: the same queries against the cache with its
+    KV heads repeated (one KV head per query head), lengths off and on a multiple of 8."""
+    native()
+    g = torch.Generator().manual_seed(5)
+    kv, heads, d = 2, 12, 64
+    k_cache = torch.randn(kv, 30, 16, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(kv, 30, 16, d, generator=g).to(cache_dtype)
+    lengths = torch.tensor([1, 8, 13, 64, 451])
+    slots = torch.stack([torch.randperm(480, generator=g)[:451] for _ in lengths])
+    q = torch.randn(len(lengths), heads, d, generator=g) * 4
+    grouped = kernels.paged_attention(q, k_cache, v_cache, slots, lengths)
+    alone = kernels.paged_attention(q, k_cache.repeat_interleave(heads // kv, 0),
+                                    v_cache.repeat_interleave(heads // kv, 0), slots, lengths)
+    assert torch.equal(grouped, alone)
+
+
 def test_paged_attention_rows_of_a_prompt_see_their_own_window():
     """Prompt rows: each query reads a run of its sequence's slots (causal, a window of 5), the
     same as SDPA with the window's mask, and the same bits as that query decoded alone."""

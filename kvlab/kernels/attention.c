@@ -10,7 +10,8 @@
  * Why: PyTorch's path gathers every cached K/V a step reads into a new tensor, per layer, then
  * runs SDPA over it; in a 16-request decode step that copy and the kernel took 38% of the
  * time. Here each (query row, KV head) is one task that reads its keys once for the scores and
- * its values once for the output, for all the query heads sharing that KV head.
+ * its values once for the output, for all the query heads sharing that KV head (GQA: 8 keys at a
+ * time, scored for every head of the group before the next 8), prefetching a block ahead.
  *
  * Softmax in three passes over the row's scores (max, exp and sum, weighted values), all in
  * fp32, in key order; the exponential is simd.h's exp256. A row's
@@ -24,41 +25,81 @@
 #include "simd.h"
 
 #define GMAX 3 /* query heads per pass over the values: 3 x 4 accumulators */
+/* Keys (and values) prefetched this many positions ahead: a sequence's blocks lie anywhere in
+ * the pool, and the hardware prefetcher stops at each one's edge (a block of 16 fp32 keys of 64
+ * values is one 4 KiB page), so each block would start with a miss. */
+#define PF_KEYS 16
 
-/* One query head's scores over n keys (stored at p) and their max. Each score is one chain of
- * FMAs over d then hsum; 8 keys' chains run side by side so that the FMAs' latency overlaps
- * (the chains, and so the bits, are those of one key at a time). */
-static inline __attribute__((always_inline)) float scores(const float *qg, const void *kc, long base,
-                                                          const int64_t *sl, long n, long D,
-                                                          float scale, float *p, const int bf16) {
-    float mx = -INFINITY;
+/* Prefetch row `index` of a [rows, width] cache, every 64 bytes of it. */
+static inline void prefetch_row(const void *base, long index, long width, int bf16) {
+    const char *r = (const char *)row_at(base, index, width, bf16);
+    const long bytes = width * (bf16 ? 2 : 4);
+    for (long o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+}
+
+/* hsum of each of a[0..7], as one vector in a's order: the same additions in the same order as
+ * hsum's (lanes 0+4, 1+5, 2+6, 3+7; then 0+2, 1+3; then 0+1), done for 8 keys at once, so each
+ * lane holds exactly hsum(a[j]). */
+static inline __m256 hsum8(const __m256 a[8]) {
+    __m256 s[4], t[2];
+    for (int j = 0; j < 4; j++) /* [lo + hi of a[2j] | of a[2j+1]] */
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++) /* [x0 + x2, x1 + x3] of 4 keys: (2j*2, 2j*2+2 | 2j*2+1, 2j*2+3) */
+        t[j] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(u, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* a0,a2,a4,a6 | a1,... */
+}
+
+/* The G query heads' scores over n keys (stored at p, head g's at p + g * padded) and each
+ * head's max. 8 keys at a time are read once for every head of the group (GQA: the KV head's
+ * keys leave memory once, not once per query head); each score is one chain of FMAs over d,
+ * 8 lanes, then hsum's additions: the chains, and so the bits, are those of one key and one
+ * head at a time. */
+static inline __attribute__((always_inline)) void scores(const float *q, long G, const void *kc, long base,
+                                                         const int64_t *sl, long n, long padded, long D,
+                                                         float scale, float *p, float *mx, const int bf16) {
+    __m256 m[64];
+    for (long g = 0; g < G; g++) m[g] = _mm256_set1_ps(-INFINITY);
     long i = 0;
     for (; i + 8 <= n; i += 8) {
         const void *kr[8];
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) {
-            kr[j] = row_at(kc, base + sl[i + j], D, bf16);
-            acc[j] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) kr[j] = row_at(kc, base + sl[i + j], D, bf16);
+        if (i + PF_KEYS + 8 <= n)
+            for (int j = 0; j < 8; j++) prefetch_row(kc, base + sl[i + PF_KEYS + j], D, bf16);
+        for (long g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (long d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(qg + d);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(kr[j], d, bf16), acc[j]);
+            }
+            const __m256 sc = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p + g * padded + i, sc);
+            m[g] = _mm256_max_ps(sc, m[g]); /* a NaN score is passed over, as `s > max` does */
         }
-        for (long d = 0; d < D; d += 8) {
-            __m256 qv = _mm256_loadu_ps(qg + d);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(kr[j], d, bf16), acc[j]);
-        }
-        for (int j = 0; j < 8; j++) {
-            float s = hsum(acc[j]) * scale;
-            p[i + j] = s;
-            if (s > mx) mx = s;
-        }
+    }
+    for (long g = 0; g < G; g++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m[g]);
+        mx[g] = -INFINITY;
+        for (int j = 0; j < 8; j++)
+            if (lanes[j] > mx[g]) mx[g] = lanes[j];
     }
     for (; i < n; i++) {
         const void *k = row_at(kc, base + sl[i], D, bf16);
-        __m256 acc = _mm256_setzero_ps();
-        for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k, d, bf16), acc);
-        float s = hsum(acc) * scale;
-        p[i] = s;
-        if (s > mx) mx = s;
+        for (long g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            __m256 acc = _mm256_setzero_ps();
+            for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k, d, bf16), acc);
+            const float s = hsum(acc) * scale;
+            p[g * padded + i] = s;
+            if (s > mx[g]) mx[g] = s;
+        }
     }
-    return mx;
 }
 
 /* kvlab_paged_attention's arguments, for the pool's tasks: one per (row, KV head). */
@@ -91,11 +132,11 @@ static void attend(void *arg, long t0, long t1) {
         }
         /* scores, and each head's max */
         float mx[64];
-        for (long g = 0; g < G; g++) {
-            const float *qg = q + (b * H + kvh * G + g) * D;
-            mx[g] = bf16 ? scores(qg, kc, kvh * S, sl, n, D, scale, p + g * padded, 1)
-                         : scores(qg, kc, kvh * S, sl, n, D, scale, p + g * padded, 0);
-        }
+        const float *qg = q + (b * H + kvh * G) * D;
+        if (bf16)
+            scores(qg, G, kc, kvh * S, sl, n, padded, D, scale, p, mx, 1);
+        else
+            scores(qg, G, kc, kvh * S, sl, n, padded, D, scale, p, mx, 0);
         /* exp(score - max), padding lanes zeroed, and the sums */
         float sum[64];
         for (long g = 0; g < G; g++) {
@@ -119,6 +160,7 @@ static void attend(void *arg, long t0, long t1) {
                     for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
                 for (long i = 0; i < n; i++) {
                     const void *v = row_at(vc, kvh * S + sl[i], DV, bf16);
+                    if (d0 == 0 && i + PF_KEYS < n) prefetch_row(vc, kvh * S + sl[i + PF_KEYS], DV, bf16);
                     __m256 vv[4];
                     for (int j = 0; j < 4; j++) vv[j] = load8(v, d0 + 8 * j, bf16);
                     for (int g = 0; g < gn; g++) {
