@@ -188,10 +188,13 @@ def test_activations_that_cannot_be_planned_say_so(over, message):
         make_plan(load_spec("smollm2-135m"), PlanRequest(**over))
 
 
-def test_cli_cpu_plan_measures_the_modes_kernel_once(capsys, monkeypatch):
+def test_cli_cpu_plan_measures_the_modes_kernel_once(capsys, monkeypatch, tmp_path):
     """`kvlab plan --gpu cpu --activations M` times kvlab's kernel in mode M the first time (a
     real run of kvlab.bench.kernel_peak), then reads the figure cached for this CPU and mode."""
     import kvlab.bench
+    import kvlab.hardware
+
+    monkeypatch.setattr(kvlab.hardware, "KERNEL_FILE", tmp_path / "kernels.json")  # nothing measured yet
 
     def plan(mode: str) -> dict:
         assert main(["plan", "smollm2-135m", "--gpu", "cpu", "--context", "2048", "--activations", mode,
