@@ -207,9 +207,6 @@ class EngineOptions:
             raise ValueError("--kv-offload-disk is the budget of the --kv-offload-dir tier: give the directory")
         if self.offloads and not self.prefix_caching:
             raise ValueError("the --kv-offload-* tiers hold prefix-cache blocks: drop --no-prefix-caching")
-        if self.offloads and self.tp > 1:
-            raise ValueError("the --kv-offload-* tiers run at --tp 1 (a rank's blocks are its shard); "
-                             "drop one of the two")
 
     @property
     def offloads(self) -> bool:

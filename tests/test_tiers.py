@@ -227,10 +227,38 @@ def test_a_restart_reads_the_prompts_back_from_disk_with_the_same_tokens(tmp_pat
     other.close()
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_ranks_keep_one_tier_entry_per_block(tmp_path, llama, tp):
+    """At --tp N (2: the KV heads split, 4: each replicated on 2 ranks) a tier entry is every
+    rank's shard of the block side by side: a restart at the same N reads the prompts back from
+    disk bitwise, with the tokens of its cold run and of --tp 1; --tp 1 reads none of it."""
+    batch = prompts((29, 21), seed=3)
+    engine = dict(kv_memory=kv_bytes(llama, 40, 4), block_size=4, kv_offload_dir=str(tmp_path))
+    first = LLM(llama, tp=tp, **engine)
+    cold, _ = run(first, batch)
+    pool, parent, hashes = first.engine.kv.pools[0], None, []
+    for i in range(7):  # the first prompt's full blocks
+        parent = hash_block(parent, batch[0][4 * i:4 * i + 4])
+        hashes.append(parent)
+    left = first.engine.executor.block_bytes(0, [pool.lookup(h) for h in hashes])
+    first.close()
+    assert cold == reference(llama, batch, GREEDY)
+    second = LLM(llama, tp=tp, **engine)
+    warm, outs = run(second, batch)
+    assert warm == cold and [o.tier_tokens.get("disk", 0) for o in outs] == [28, 20]
+    pool = second.engine.kv.pools[0]
+    assert torch.equal(second.engine.executor.block_bytes(0, [pool.lookup(h) for h in hashes]), left)
+    assert second.metrics().kv_blocks_used == 0
+    second.close()
+    one = LLM(llama, **engine)  # tp 1: its blocks are laid out otherwise, another fingerprint
+    tokens, outs = run(one, batch)
+    assert tokens == cold and all(not o.tier_tokens for o in outs)
+    one.close()
+
+
 def test_the_tier_options_say_what_they_need():
     for bad, said in [({"kv_offload_disk": 2**20}, "give the directory"),
                       ({"kv_offload_ram": 2**20, "prefix_caching": False}, "drop --no-prefix-caching"),
-                      ({"kv_offload_ram": 2**20, "tp": 2}, "run at --tp 1"),
                       ({"kv_offload_ram": 0}, "positive integer")]:
         with pytest.raises(ValueError, match=said):
             LLM(tiny_model(), **bad)

@@ -205,7 +205,7 @@ class LLMEngine:
         self.tiers = self._prefix_tiers(options, kv_dtype, groups)
         self.kv = KVCacheManager(groups, blocks, options.block_size, options.prefix_caching,
                                  num_host_blocks=blocks if swap else 0, tiers=self.tiers,
-                                 read_blocks=self.cache.block_bytes if self.cache is not None else None)
+                                 read_blocks=self.executor.block_bytes)
         self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
                                    max_model_len, swap, self.eviction,
                                    options.max_num_batched_tokens if options.deterministic else None)
@@ -229,7 +229,6 @@ class LLMEngine:
         """The RAM and disk tiers behind the pool, as --kv-offload-* say (None: neither)."""
         if not options.offloads:
             return None
-        assert self.cache is not None  # tp 1: EngineOptions refuses the tiers at --tp > 1
         ram = RamTier(options.kv_offload_ram) if options.kv_offload_ram else None
         disk = None
         if options.kv_offload_dir is not None:
@@ -244,10 +243,10 @@ class LLMEngine:
 
     def _block_fingerprint(self, kv_dtype: str, groups: list[LayerGroup], root: Path) -> bytes:
         """What shapes a block's bytes, hashed: the weights (their files' contents, hashed once
-        and remembered in ``root``), the config, dtypes, block size, layer groups, the rank, the
-        fp8 scales and the kernels that compute K/V (their CPU paths, threads, deterministic mode)."""
-        model, cache = self.model, self.cache
-        assert cache is not None
+        and remembered in ``root``), the config, dtypes, block size, layer groups, the TP size
+        (a tier block holds every rank's shard side by side), the fp8 scales and the kernels that
+        compute K/V (their CPU paths, threads, deterministic mode)."""
+        model = self.model
         source = model.source
         if source is None:
             raise ValueError("the --kv-offload-* tiers name blocks by the model's weights: load the "
@@ -256,8 +255,8 @@ class LLMEngine:
         return fingerprint({
             "weights": weights, "stored": list(source.stored), "config": model.spec.config,
             "dtype": str(model.dtype), "kv_dtype": kv_dtype, "block_size": self.options.block_size,
-            "groups": [[list(g.layers), g.window] for g in groups], "tp": [1, 0],
-            "fp8_scales": {layer: s.tolist() for layer, s in sorted(cache.scales.items())},
+            "groups": [[list(g.layers), g.window] for g in groups], "tp": self.options.tp,
+            "fp8_scales": self.executor.kv_scales(),
             "cpu_paths": dispatch.backends().line(), "threads": torch.get_num_threads(),
             "deterministic": bool(self.options.deterministic)})
 
@@ -368,8 +367,8 @@ class LLMEngine:
         self.executor.swap_in(out.swap_in)
         for group, loads in enumerate(out.loads):  # prefix-tier hits, into their fresh blocks
             if loads:
-                assert self.cache is not None and self.tiers is not None
-                self.cache.put_block_bytes(group, [b for b, _ in loads], torch.stack([d for _, d in loads]))
+                assert self.tiers is not None
+                self.executor.put_block_bytes(group, [b for b, _ in loads], torch.stack([d for _, d in loads]))
                 self.tiers.loaded(d for _, d in loads)
 
     def _score_prompts(self, rows: dict[str, tuple[int, torch.Tensor]]) -> None:

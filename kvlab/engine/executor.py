@@ -91,7 +91,7 @@ class Worker:
 
     def __init__(self, model: CausalLM, rank: int = 0, tp: int = 1,
                  group: dist.ProcessGroup | None = None) -> None:
-        self.model, self.group, self.rank = model, group, rank
+        self.model, self.group, self.rank, self.tp = model, group, rank, tp
         self.spec = model.spec.tp_shard(tp)
         self.cache: PagedKVCache | None = None
         self.attn: PagedAttention | None = None
@@ -145,12 +145,31 @@ class Worker:
         assert self.cache is not None
         self.cache.swap_in(copies)
 
+    def block_bytes(self, group: int, blocks: list[int]) -> Tensor:
+        """This rank's bytes of these blocks (``PagedKVCache.block_bytes``: its shard of the KV heads)."""
+        assert self.cache is not None
+        return self.cache.block_bytes(group, blocks)
+
+    def put_block_bytes(self, group: int, blocks: list[int], data: Tensor) -> None:
+        """Write this rank's part of whole tier blocks: ``data`` holds every rank's bytes side by
+        side, rank 0's first (``_RankedExecutor.block_bytes``), each rank's the same width."""
+        assert self.cache is not None
+        width = data.shape[1] // self.tp
+        self.cache.put_block_bytes(group, blocks, data[:, self.rank * width:(self.rank + 1) * width])
+
+    def kv_scales(self) -> dict[int, list[float]]:
+        """The fp8 cache's per-layer K/V scales (the same on every rank: their maximum)."""
+        assert self.cache is not None
+        return {layer: s.tolist() for layer, s in sorted(self.cache.scales.items())}
+
     def answer(self, method: str, args: tuple[Any, ...]) -> Reply:
-        """One of the driver's messages ("info", "init_cache", "execute", "swap_out", "swap_in")
-        run here, as the reply a rank sends back: it never raises, so a rank keeps serving."""
+        """One of the driver's messages ("info", "init_cache", "execute", "swap_out", "swap_in",
+        the prefix tiers' "block_bytes", "put_block_bytes" and "kv_scales") run here, as the
+        reply a rank sends back: it never raises, so a rank keeps serving."""
         calls: dict[str, Callable[..., Any]] = {
             "info": self.info, "init_cache": self.init_cache, "swap_out": self.swap_out,
-            "swap_in": self.swap_in,
+            "swap_in": self.swap_in, "block_bytes": self.block_bytes, "put_block_bytes": self.put_block_bytes,
+            "kv_scales": self.kv_scales,
             "execute": lambda step: self.execute(step).cpu(),  # a tensor travels from host memory
         }
         try:
@@ -178,6 +197,10 @@ class Executor(Protocol):
     def execute(self, step: StepInput) -> Tensor: ...
     def swap_out(self, copies: BlockCopies) -> None: ...  # OSError: the host pool refused
     def swap_in(self, copies: BlockCopies) -> None: ...
+    # the prefix tiers: whole blocks as bytes (every rank's shard side by side), the fp8 scales
+    def block_bytes(self, group: int, blocks: list[int]) -> Tensor: ...
+    def put_block_bytes(self, group: int, blocks: list[int], data: Tensor) -> None: ...
+    def kv_scales(self) -> dict[int, list[float]]: ...
     @property
     def saturated(self) -> int: ...  # fp8 values clamped so far, every rank's
     def close(self) -> None: ...
@@ -205,6 +228,15 @@ class LocalExecutor:
 
     def swap_in(self, copies: BlockCopies) -> None:
         self.worker.swap_in(copies)
+
+    def block_bytes(self, group: int, blocks: list[int]) -> Tensor:
+        return self.worker.block_bytes(group, blocks)
+
+    def put_block_bytes(self, group: int, blocks: list[int], data: Tensor) -> None:
+        self.worker.put_block_bytes(group, blocks, data)
+
+    def kv_scales(self) -> dict[int, list[float]]:
+        return self.worker.kv_scales()
 
     @property
     def saturated(self) -> int:
@@ -257,6 +289,18 @@ class _RankedExecutor:
     def swap_in(self, copies: BlockCopies) -> None:
         if any(copies):
             self._call("swap_in", copies)
+
+    def block_bytes(self, group: int, blocks: list[int]) -> Tensor:
+        """Whole blocks: every rank's shard bytes side by side, in rank order (one tier entry
+        per block, read back by ``put_block_bytes`` on the same TP size: the fingerprint has it)."""
+        self._call("block_bytes", group, blocks)
+        return torch.cat(self._last_replies, dim=1)
+
+    def put_block_bytes(self, group: int, blocks: list[int], data: Tensor) -> None:
+        self._call("put_block_bytes", group, blocks, data)
+
+    def kv_scales(self) -> dict[int, list[float]]:
+        return self._call("kv_scales")
 
     @property
     def saturated(self) -> int:
