@@ -318,7 +318,8 @@ QTILES(qtiles512_fmt, qtile512, dtile512, btile512, MB512, btail512, T512)
  * + vpmaddwd) give each lane its block's exact integer sum S; the output's chain is one fp32
  * multiply-add per block, acc = fma(S, d_w * d_x, acc) (Q4_1's m_w (d_x s) summed apart), the
  * same on every ISA and for every M: the integers are exact whatever computed them. A panel is
- * built once a pass of MBLOCK rows, so prefill's rows share its cost; one row pays it alone. */
+ * built once a pass of MBLOCK rows, so prefill's rows share its cost; one row (a decode step)
+ * skips it (act8_row1_*, below). */
 #define PANEL_BLOCKS 32 /* 16 KB of panel (32 KB for Q8_0) at W = 16: it stays in L1 */
 
 typedef struct {
@@ -445,10 +446,111 @@ static inline T_VNNI void act8_rows16(const act8_panel *pn, const act8_rows *xa,
     for (int i = 0; i < R; i++) _mm512_storeu_ps(accp + 16 * i, acc[i]), _mm512_storeu_ps(extp + 16 * i, ext[i]);
 }
 
+/* The 8 int32 lanes of each of p[0..7] summed: one vector of the 8 totals, in p's order. */
+static inline __attribute__((always_inline)) __m256i hsum8_epi32(const __m256i p[8]) {
+    const __m256i a0 = _mm256_hadd_epi32(p[0], p[1]), a1 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i a2 = _mm256_hadd_epi32(p[4], p[5]), a3 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3); /* [p0-3 lo | p0-3 hi] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* Each weight row's first 4 bytes of a block, 8 rows a vector (idx: the rows' byte offsets
+ * from row 0), as fp32: the scale d of the low 16 bits, and Q4_1's minimum m of the high 16. */
+static inline __attribute__((always_inline)) void act8_heads(const uint8_t *at, __m256i idx, __m256 *d, __m256 *m) {
+    const __m256i head = _mm256_i32gather_epi32((const int *)at, idx, 1);
+    const __m256i halves = _mm256_shuffle_epi8(head, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                      0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i ordered = _mm256_permute4x64_epi64(halves, 0xD8); /* [lo halves 0-7 | hi halves 0-7] */
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(ordered));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1));
+}
+
+/* One input row (a decode step's) against weight rows n0.. of an int8 part, every block, with
+ * no panel: each weight row's block is dotted with the row's 32 quantised values in one 256-bit
+ * dot (8 partial sums, added up 8 weight rows at a time by hsum8_epi32). The integer S of each
+ * lane is the one the panel's loop gets (an exact sum: its order does not matter) and enters
+ * the same fp32 chain, so the bits are those of every M; what one row saves is the panel's
+ * transposition, which only several rows share. DOT(w, x): 8 int32 sums of 4 products each.
+ * Lanes g * 8 .. g * 8 + 7 are weight rows n0 + g * 8 .. (rows past nn repeat row n0). */
+#define ACT8_ROW1_SUMS(DOT, W)                                                                               \
+    const long at = m * nblk + k;                                                                            \
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)(xa->q + at * QK));                             \
+    __m256i sums[W / 8];                                                                                     \
+    __m256 dw[W / 8], mw[W / 8];                                                                             \
+    for (int g = 0; g < W / 8; g++) {                                                                        \
+        __m256i p[8];                                                                                        \
+        for (int j = 0; j < 8; j++) {                                                                        \
+            const uint8_t *blk = wr[g * 8 + j] + k * bb;                                                     \
+            _mm_prefetch((const char *)(blk + PF_TILES * W * rb), _MM_HINT_T0); /* the tiles ahead */       \
+            const __m256i w = act8_weights(blk, fmt);                                                        \
+            p[j] = fmt == Q8_0 ? DOT(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w)) : DOT(w, xq);             \
+        }                                                                                                    \
+        sums[g] = hsum8_epi32(p);                                                                            \
+        act8_heads(wr[0] + k * bb, idx[g], &dw[g], &mw[g]);                                                  \
+    }                                                                                                        \
+    const float dx = xa->d[at];                                                                              \
+    const int32_t sx = xa->s[at];
+
+/* The weight rows' pointers and their offsets from row n0, for ACT8_ROW1_SUMS. */
+#define ACT8_ROW1_SETUP(W)                                                                                   \
+    const int offset = fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;                                              \
+    const long nblk = xa->K / QK, bb = BLOCK_BYTES[fmt], rb = nblk * bb;                                    \
+    const uint8_t *wr[W];                                                                                    \
+    int32_t offs[W];                                                                                         \
+    for (int j = 0; j < W; j++) offs[j] = (int32_t)((j < nn ? j : 0) * rb), wr[j] = part->w + n0 * rb + offs[j]; \
+    __m256i idx[W / 8];                                                                                      \
+    for (int g = 0; g < W / 8; g++) idx[g] = _mm256_loadu_si256((const __m256i *)(offs + 8 * g));
+
+#define ACT8_ROW1_8(NAME, DOT, ATTR)                                                                         \
+    static inline ATTR void NAME(const act8_rows *xa, const kvlab_part *part, long n0, long nn, long m,    \
+                                 float *accp, float *extp, const int fmt) {                                 \
+        ACT8_ROW1_SETUP(8)                                                                                   \
+        __m256 acc = _mm256_setzero_ps(), ext = _mm256_setzero_ps();                                         \
+        for (long k = 0; k < nblk; k++) {                                                                    \
+            ACT8_ROW1_SUMS(DOT, 8)                                                                           \
+            const __m256i s = _mm256_sub_epi32(sums[0], _mm256_set1_epi32(offset * sx));                    \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[0], _mm256_set1_ps(dx)), acc);     \
+            if (fmt == Q4_1) ext = _mm256_add_ps(ext, _mm256_mul_ps(mw[0], _mm256_set1_ps(dx * (float)sx))); \
+        }                                                                                                    \
+        _mm256_storeu_ps(accp, acc), _mm256_storeu_ps(extp, ext);                                            \
+    }
+
+static inline __attribute__((always_inline)) __m256i dot_avx2(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+static inline T_AVXVNNI __m256i dot_avxvnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+}
+ACT8_ROW1_8(act8_row1_avx2, dot_avx2, __attribute__((always_inline)))
+ACT8_ROW1_8(act8_row1_avxvnni, dot_avxvnni, T_AVXVNNI)
+
+static inline T_VNNI __m256i dot_vnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+}
+
+static inline T_VNNI __m512 join8(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* ACT8_ROW1_8 in 16 lanes (AVX512-VNNI): the same sums and per-lane operations, so the same bits. */
+static inline T_VNNI void act8_row1_vnni(const act8_rows *xa, const kvlab_part *part, long n0, long nn, long m,
+                                         float *accp, float *extp, const int fmt) {
+    ACT8_ROW1_SETUP(16)
+    __m512 acc = _mm512_setzero_ps(), ext = _mm512_setzero_ps();
+    for (long k = 0; k < nblk; k++) {
+        ACT8_ROW1_SUMS(dot_vnni, 16)
+        const __m512i s = _mm512_sub_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(sums[0]), sums[1], 1),
+                                           _mm512_set1_epi32(offset * sx));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(join8(dw[0], dw[1]), _mm512_set1_ps(dx)), acc);
+        if (fmt == Q4_1) ext = _mm512_add_ps(ext, _mm512_mul_ps(join8(mw[0], mw[1]), _mm512_set1_ps(dx * (float)sx)));
+    }
+    _mm512_storeu_ps(accp, acc), _mm512_storeu_ps(extp, ext);
+}
+
 /* One tile of an int8-activation part: weight rows n0..n0+nb-1 (nb <= W) against input rows
  * block..end-1 (at most MBLOCK), RMAX at a time and the rest in one call of their count (a
  * constant in each call, so the accumulators stay in registers); then the outputs. */
-#define ACT8_TILES(NAME, ROWS, W, RMAX, ATTR)                                                               \
+#define ACT8_TILES(NAME, ROWS, ROW1, W, RMAX, ATTR)                                                         \
     static inline ATTR void NAME(const act8_rows *xa, const kvlab_part *part, long n0, int nb, long block, \
                                  long end, const int fmt) {                                                 \
         const long N = part->N, nn = N - n0 < nb ? N - n0 : nb, nblk = xa->K / QK;                          \
@@ -456,7 +558,8 @@ static inline T_VNNI void act8_rows16(const act8_panel *pn, const act8_rows *xa,
         float acc[MBLOCK * W], ext[MBLOCK * W];                                                             \
         memset(acc, 0, sizeof(float) * (end - block) * W);                                                  \
         memset(ext, 0, sizeof(float) * (end - block) * W);                                                  \
-        for (long kb0 = 0; kb0 < nblk; kb0 += PANEL_BLOCKS) {                                               \
+        if (end - block == 1) ROW1(xa, part, n0, nn, block, acc, ext, fmt);                                 \
+        else for (long kb0 = 0; kb0 < nblk; kb0 += PANEL_BLOCKS) {                                          \
             const int nk = nblk - kb0 < PANEL_BLOCKS ? (int)(nblk - kb0) : PANEL_BLOCKS;                    \
             act8_build(&pn, part->w, n0, nn, nblk * BLOCK_BYTES[fmt], kb0, nk, W, fmt);                     \
             long m0 = block;                                                                                \
@@ -481,9 +584,9 @@ static inline T_VNNI void act8_rows16(const act8_panel *pn, const act8_rows *xa,
                 ((float *)part->y)[m * N + n0 + j] = o;                                                     \
             }                                                                                               \
     }
-ACT8_TILES(act8_tiles_avx2_fmt, act8_rows8, 8, 4, __attribute__((always_inline)))
-ACT8_TILES(act8_tiles_avxvnni_fmt, act8_rows8_avxvnni, 8, 4, T_AVXVNNI)
-ACT8_TILES(act8_tiles_vnni_fmt, act8_rows16, 16, 8, T_VNNI)
+ACT8_TILES(act8_tiles_avx2_fmt, act8_rows8, act8_row1_avx2, 8, 4, __attribute__((always_inline)))
+ACT8_TILES(act8_tiles_avxvnni_fmt, act8_rows8_avxvnni, act8_row1_avxvnni, 8, 4, T_AVXVNNI)
+ACT8_TILES(act8_tiles_vnni_fmt, act8_rows16, act8_row1_vnni, 16, 8, T_VNNI)
 
 /* The format as a constant inside each; each ISA's loop in a function of its own target, which
  * runs only where kvlab_set_vnni found the CPU's. */
