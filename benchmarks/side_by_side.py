@@ -188,14 +188,13 @@ class Bounds:
 def planner_bounds(fmt: str, acts: str, prompt: int, output: int,
                    mix: list[tuple[list[int], int]]) -> tuple[Bounds, str]:
     """`kvlab plan`'s figures for a row (see the module's docstring); the commands that show them."""
-    from kvlab.bench import kernel_peak
+    from kvlab.bench import kernel_rate
     from kvlab.catalog import load_spec
-    from kvlab.hardware import kernel_flops
     from kvlab.plan import PlanRequest, generation_flops, make_plan
 
     spec = load_spec(MODEL)
     kv = "fp16" if fmt == "int4" else fmt  # llama.cpp caches K and V in f16
-    rate = kernel_flops(acts, lambda: kernel_peak(acts))  # what `kvlab plan --gpu cpu` measures
+    rate = kernel_rate(acts)  # what `kvlab plan --gpu cpu --activations` plans with
 
     def plan(context: int):
         return make_plan(spec, PlanRequest(context=context, kv_dtype=kv, weights_dtype=fmt, gpu="cpu",

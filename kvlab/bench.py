@@ -24,7 +24,7 @@ from kvlab.dtypes import weight_dtype
 from kvlab.engine.engine import MODEL_KV_DTYPE, LLMEngine
 from kvlab.options import EngineOptions
 from kvlab.engine.sequence import Sequence
-from kvlab.hardware import cpu_device
+from kvlab.hardware import cpu_device, kernel_flops
 from kvlab.dispatch import backends
 from kvlab.models.llama import CausalLM, Linear, LMHead
 from kvlab.models.methods import Setting
@@ -393,6 +393,12 @@ def kernel_peak(activations: str) -> float:
     layer.choose(Setting(backends(), torch.float32, torch.device("cpu"), native_rows=sys.maxsize,
                          activations=activations))
     return layer_peak(layer, torch.float32, torch.device("cpu"), PEAK_ROWS)
+
+
+def kernel_rate(activations: str) -> float:
+    """``kernel_peak`` measured once per CPU, mode and switch setting (``kvlab.hardware.
+    kernel_flops`` caches it): the rate a CPU plan computes at in that activations mode."""
+    return kernel_flops(activations, lambda: kernel_peak(activations))
 
 
 def add_compute_bound(result: BenchResult, model: CausalLM) -> None:

@@ -59,6 +59,23 @@ def test_plan_reads_a_bundled_gguf_as_the_cli_does(http):
     assert {"id": "smollm2-135m", "alias": "smollm2-135m (bundled)"} in http.get("/api/options").json()["models"]
 
 
+def test_a_cpu_plan_computes_at_the_served_modes_kernel_rate(http, server):  # noqa: F811
+    """The page plans this CPU as `kvlab plan --gpu cpu --activations` does: at the rate kvlab's
+    kernel reached here in the served model's activations mode (measured as the server started)."""
+    mode, rate = server.bridge.cpu_compute
+    assert mode == server.bridge.engine.model.activations and rate > 0
+    v = http.post("/api/plan", json={"model": "smollm2-135m", "context": 4096, "gpu": "cpu"}).json()
+    ref = make_plan(load_spec("smollm2-135m"), PlanRequest(context=4096, gpu="cpu", gpus=1, activations=mode,
+                                                           kernel_flops=rate))
+    assert v["plan"] == json.loads(json.dumps(ref.to_json())) and v["plan"]["device_flops"] == rate
+    gpu = http.post("/api/plan", json={"model": "smollm2-135m", "context": 4096, "gpu": "h100-sxm"}).json()
+    assert gpu["plan"]["device_flops_why"] == "the datasheet's dense bf16"
+    c = http.post("/api/crossover", json={"model": "smollm2-135m", "context": 4096, "batch": 64, "gpu": "cpu"}).json()
+    at = next(r for r in c["by_batch"] if r["batch"] == 64)
+    assert at["compute_s"] == pytest.approx(make_plan(load_spec("smollm2-135m"), PlanRequest(
+        context=4096, users=64, gpu="cpu", gpus=1, activations=mode, kernel_flops=rate)).decode_compute_seconds)
+
+
 def test_plan_from_a_pasted_config(http):
     cfg = json.loads((CONFIG_DIR / "Qwen--Qwen2.5-1.5B.json").read_text())
     v = http.post("/api/plan", json={"config": cfg, "context": 2048, "users": 1, "gpu": "rtx-3060"}).json()

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from kvlab.bench import kernel_rate
 from kvlab.engine.engine import LLMEngine, RequestOutput
 from kvlab.engine.executor import WorkerError
 from kvlab.models.chat import ChatTemplate, ChatTemplateError
@@ -98,6 +99,9 @@ class EngineBridge:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.spec.vocab_size
         self.started = int(time.time())
+        # the page's CPU plans compute at kvlab's kernel rate in the served activations mode:
+        # measured here once (cached per CPU), before the engine thread runs beside it
+        self.cpu_compute = (engine.model.activations, kernel_rate(engine.model.activations))
         self.metrics = ServerMetrics(lambda: self.gauges, {
             "dtype": str(engine.model.dtype).removeprefix("torch."), "activations": engine.model.activations,
             "deterministic": str(bool(engine.options.deterministic)).lower()})

@@ -91,14 +91,15 @@ def options(request: Request) -> dict:
 
 
 @router.post("/plan")
-def plan(body: PlanBody) -> dict:
+def plan(body: PlanBody, request: Request) -> dict:
     return plan_view(_spec(body), body.context, body.users, body.kv_dtype, body.weights_dtype, body.gpu,
-                     body.gpus, body.tp)
+                     body.gpus, body.tp, _bridge(request).cpu_compute)
 
 
 @router.post("/crossover")
-def crossover(body: CrossoverBody) -> dict:
-    return crossover_view(_spec(body), body.context, body.batch, body.kv_dtype, body.weights_dtype, body.gpu)
+def crossover(body: CrossoverBody, request: Request) -> dict:
+    return crossover_view(_spec(body), body.context, body.batch, body.kv_dtype, body.weights_dtype, body.gpu,
+                          _bridge(request).cpu_compute)
 
 
 @router.post("/steps")

@@ -47,22 +47,28 @@ def resolve_spec(model: str | None, config: dict | None) -> ModelSpec:
     return load_spec(model.strip())
 
 
+CpuCompute = tuple[str, float]  # (activations mode, kvlab's kernel FLOP/s in it): a CPU plan's rate
+
+
 def _plan(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str, gpu: str,
-          gpus: int = 1, tp: int | None = None) -> Plan:
-    """make_plan, its ValueErrors as 400s."""
+          gpus: int = 1, tp: int | None = None, cpu_compute: CpuCompute | None = None) -> Plan:
+    """make_plan (a CPU plan at ``cpu_compute``'s rate, as `kvlab plan --gpu cpu` plans), its
+    ValueErrors as 400s."""
+    mode, rate = cpu_compute if cpu_compute and gpu.strip().lower() == "cpu" else ("fp32", None)
     try:
         return make_plan(spec, PlanRequest(context=context, users=users, kv_dtype=kv_dtype,
-                                           weights_dtype=weights_dtype, gpu=gpu, gpus=gpus, tp=tp))
+                                           weights_dtype=weights_dtype, gpu=gpu, gpus=gpus, tp=tp,
+                                           activations=mode, kernel_flops=rate))
     except ValueError as e:
         raise APIError(str(e)) from None
 
 
 def plan_view(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtype: str,
-              gpu: str, gpus: int = 1, tp: int | None = None) -> dict:
+              gpu: str, gpus: int = 1, tp: int | None = None, cpu_compute: CpuCompute | None = None) -> dict:
     """The plan on `gpus` GPUs (TP `tp`, default all of them), plus one GPU's memory bar: its
     share of the weights (the planner's, not computed again here), the cache of the sequences it
     holds, logits, activations and runtime."""
-    p = _plan(spec, context, users, kv_dtype, weights_dtype, gpu, gpus, tp)
+    p = _plan(spec, context, users, kv_dtype, weights_dtype, gpu, gpus, tp, cpu_compute)
     overhead = p.logits_bytes_last_only + p.activation_allowance_bytes + p.runtime_overhead_bytes
     weights = p.weights_bytes_per_gpu
     on_one = "" if p.gpus == 1 else " on this GPU"
@@ -99,12 +105,12 @@ def _powers(top: int, start: int = 1) -> list[int]:
 
 
 def crossover_view(spec: ModelSpec, context: int, batch: int, kv_dtype: str, weights_dtype: str,
-                   gpu: str) -> dict:
+                   gpu: str, cpu_compute: CpuCompute | None = None) -> dict:
     """Decode step time (the longer of weight + cache reads and compute) over batch at this
     context and over context at this batch, with where the cache reads overtake the weight reads
     on each axis and the batch from which the step is compute-bound."""
     def plan(c: int, b: int) -> Plan:
-        return _plan(spec, c, b, kv_dtype, weights_dtype, gpu)
+        return _plan(spec, c, b, kv_dtype, weights_dtype, gpu, cpu_compute=cpu_compute)
 
     here = plan(context, batch)
     cross_b = here.crossover_batch
