@@ -84,9 +84,9 @@ class PlanRequest:
             (self.disk_read_rate is None or self.kv_offload_dir is not None or self.kv_offload_disk,
              "--disk-read-rate is the rate of a disk tier: give --kv-offload-disk or --kv-offload-dir"),
             (self.activations in ("fp32", "int8"), f"--activations must be fp32 or int8, got {self.activations}"),
-            (self.activations == "fp32" or self.gpu == "cpu",
+            (self.activations == "fp32" or self.gpu.lower() == "cpu",
              "--activations int8 is a mode of kvlab's CPU kernels: plan it with --gpu cpu"),
-            (self.kernel_flops is None or (self.gpu == "cpu" and self.kernel_flops > 0),
+            (self.kernel_flops is None or (self.gpu.lower() == "cpu" and self.kernel_flops > 0),
              "kernel_flops is the rate of kvlab's CPU kernels: a positive FLOP/s with gpu='cpu'"),
             (not self.dp_attention or spec.is_mla,
              f"--dp-attention is for MLA models, whose cache TP replicates; {spec.name} splits "

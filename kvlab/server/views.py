@@ -54,7 +54,7 @@ def _plan(spec: ModelSpec, context: int, users: int, kv_dtype: str, weights_dtyp
           gpus: int = 1, tp: int | None = None, cpu_compute: CpuCompute | None = None) -> Plan:
     """make_plan (a CPU plan at ``cpu_compute``'s rate, as `kvlab plan --gpu cpu` plans), its
     ValueErrors as 400s."""
-    mode, rate = cpu_compute if cpu_compute and gpu.strip().lower() == "cpu" else ("fp32", None)
+    mode, rate = cpu_compute if cpu_compute and gpu.lower() == "cpu" else ("fp32", None)
     try:
         return make_plan(spec, PlanRequest(context=context, users=users, kv_dtype=kv_dtype,
                                            weights_dtype=weights_dtype, gpu=gpu, gpus=gpus, tp=tp,
