@@ -415,7 +415,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
     with progress_bar("evict", enabled=not args.json) as report:
         rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
                         text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
-                        trials=args.trials, deterministic=args.deterministic, progress=report)
+                        trials=args.trials, deterministic=args.deterministic, chat=loaded.chat_template,
+                        progress=report)
     if args.plot:
         plot_rows(rows, args.plot)
     if args.json:
@@ -551,19 +552,21 @@ def build_parser() -> argparse.ArgumentParser:
                        "(perplexity or a hidden pass key), beside the bytes they save")
     add_model_args(p, dtype=("fp32", "bf16 near-ties would add batch-dependent noise"))
     p.add_argument("--policies", type=_word_list, default=list(POLICIES),
-                   help="comma-separated: full, window, streaming, h2o, snapkv (default: all)")
+                   help="comma-separated: full, window, streaming, h2o, snapkv, adakv (default: all)")
     p.add_argument("--budgets", type=_budget_list, default=[128, 256, 512],
                    help="comma-separated tokens kept per sequence, or ratios of the context (default 128,256,512)")
     p.add_argument("--kv-dtype", type=_word_list, default=["auto"],
                    help="comma-separated KV storage formats: auto (the model's), bf16, fp8_e4m3, fp8_e5m2, int8")
-    p.add_argument("--task", choices=["perplexity", "needle"], default="perplexity",
-                   help="perplexity over a long text (default) or a pass key hidden in it")
+    p.add_argument("--task", choices=["perplexity", "needle", "ruler"], default="perplexity",
+                   help="perplexity over a long text (default), a number hidden in it (needle), or the "
+                   "RULER-style suite: needles, multi-key and multi-value needles, variable tracking, "
+                   "a question about the text")
     p.add_argument("--text", default=None, help="text file (default: Jane Austen's Persuasion, ch. 1-4)")
     p.add_argument("--context", type=positive_int, default=2048, help="tokens of the text (default 2048)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--chunk", type=positive_int, default=64,
                    help="tokens per engine step: eviction runs between steps (default 64)")
-    p.add_argument("--trials", type=positive_int, default=20, help="needle prompts per row (default 20)")
+    p.add_argument("--trials", type=positive_int, default=20, help="prompts per retrieval task and row (default 20)")
     add_engine_args(p, only=("deterministic",), deterministic=(
         True, "the figures compare policies, so a trial's must not depend on the trials batched beside it"))
     p.add_argument("--plot", help="write quality against KV bytes kept to this PNG")

@@ -10,8 +10,10 @@ Two tasks, each run per policy x budget x KV dtype on one model:
   the plain loop's token-granular cache (``EvictingKVCache``): the difference between the two is
   the price of evicting whole blocks. SnapKV compresses a finished prompt, and a teacher-forced
   text is one prompt to its end, so it has no perplexity row of its own meaning (it equals full).
-- ``needle``: a pass key hidden at several depths of the text, a question at the end, greedy
-  answers from the engine, all trials batched; accuracy = answers that contain the key.
+- ``ruler``: the retrieval tasks of ``kvlab.ruler`` (needles of several kinds, variable tracking,
+  a question about the text), built from the same text, each trial's facts at a known depth;
+  greedy answers from the engine, a task's trials batched; accuracy = the answers found, with
+  its 95% interval. ``needle`` is the suite's single needle alone.
 
 Quality runs in deterministic mode by default (``--no-deterministic`` to compare): batch-invariant
 kernels, so a needle trial's answer does not depend on the trials batched beside it, and eviction
@@ -21,8 +23,8 @@ near-ties would make the figures fragile to any change of kernel.
 
 from __future__ import annotations
 
+import gc
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,16 +38,16 @@ from kvlab.engine.llm import LLM
 from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.eviction import EvictionPolicy, make_policy, policy_class
 from kvlab.models.attention import EvictingKVCache
+from kvlab.models.chat import ChatTemplate
 from kvlab.models.llama import CausalLM
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.progress import Report, no_report
+from kvlab.ruler import ANSWER_TOKENS, Sample, Suite, wilson
+from kvlab.ruler import TASKS as RULER_TASKS
 from kvlab.sampling import SamplingParams
 
 DEFAULT_TEXT = PERSUASION
-DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key."
-QUESTION = "\n\nWhat is the pass key? The pass key is"
-NEEDLE_TOKENS = 8  # answer tokens per needle trial
+TASKS = {"perplexity": (), "needle": ("niah_single",), "ruler": RULER_TASKS}  # --task: its retrieval tasks
 
 Tick = Callable[[int], None]  # tick(tokens): that many more tokens went through the model
 
@@ -56,7 +58,7 @@ class EvictRow:
     policy: str
     budget: int | float | None
     kv_dtype: str
-    quality: float | None  # perplexity (lower is better) or needle accuracy (higher is better)
+    quality: float | None  # perplexity (lower is better) or accuracy in [0, 1] (higher is better)
     quality_token: float | None  # perplexity with token-granular eviction (the plain loop)
     kv_bytes_kept: int  # peak bytes one sequence held
     blocks_freed: int
@@ -65,6 +67,7 @@ class EvictRow:
     trials: int = 1
     # the plain loop again, positions renumbered inside the cache (StreamingLLM) instead of kept
     quality_token_renumbered: float | None = None
+    interval: tuple[float, float] | None = None  # an accuracy's 95% Wilson interval
 
 
 def text_ids(tokenizer: TextTokenizer, path: str | Path | None, context: int) -> list[int]:
@@ -148,50 +151,42 @@ def perplexity_loop(model: CausalLM, ids: list[int], policy: EvictionPolicy, chu
     return math.exp(nll / count)
 
 
-def needle_prompts(tokenizer: TextTokenizer, ids: list[int], trials: int, seed: int = 0
-                   ) -> list[tuple[list[int], str]]:
-    """``trials`` prompts of about len(ids) tokens: the text with a pass key at a depth (cycling
-    through DEPTHS), then the question. Returns (prompt ids, key)."""
-    rng = random.Random(seed)
-    question = tokenizer.encode(QUESTION)
-    out = []
-    for t in range(trials):
-        key = str(rng.randrange(10_000, 100_000))
-        needle = tokenizer.encode(NEEDLE.format(key=key))
-        room = len(ids) - len(needle) - len(question)
-        at = int(DEPTHS[t % len(DEPTHS)] * room)
-        out.append((ids[:at] + needle + ids[at:room] + question, key))
-    return out
-
-
-def needle(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
-           kv_dtype: str, block_size: int, chunk: int, trials: int, deterministic: bool = True,
-           tick: Tick = lambda n: None) -> EvictRow:
-    prompts = needle_prompts(tokenizer, ids, trials)
-    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, len(ids) + 16, trials, deterministic)
+def retrieval(model: CausalLM, tokenizer: TextTokenizer, samples: list[Sample], policy: EvictionPolicy,
+              kv_dtype: str, block_size: int, chunk: int, deterministic: bool = True,
+              tick: Tick = lambda n: None) -> EvictRow:
+    """One task's samples through the engine under ``policy``, all batched, greedy answers."""
+    task = samples[0].task
+    prompts = [tokenizer.encode(s.prompt) for s in samples]
+    answer = ANSWER_TOKENS[task]
+    llm = _llm(model, tokenizer, policy, kv_dtype, block_size, chunk, max(map(len, prompts)) + answer,
+               len(samples), deterministic)
     result = {}
 
     def run():
-        result["outs"] = llm.generate([p for p, _ in prompts],
-                                      SamplingParams(temperature=0, max_tokens=NEEDLE_TOKENS, ignore_eos=True))
+        result["outs"] = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=answer, ignore_eos=True))
     peak, seconds = _peak(llm, run, tick)
-    hits = sum(key in out.text for (_, key), out in zip(prompts, result["outs"]))
+    score = sum(s.score(out.text) for s, out in zip(samples, result["outs"]))
     m = llm.metrics()
-    return EvictRow("needle", policy.name, policy.budget, llm.capacity.kv_dtype, hits / trials, None,
+    return EvictRow(task, policy.name, policy.budget, llm.capacity.kv_dtype, score / len(samples), None,
                     peak * block_size * llm.capacity.bytes_per_token, m.evicted_blocks,
-                    m.evicted_tokens, seconds, trials)
+                    m.evicted_tokens, seconds, len(samples), interval=wilson(score, len(samples)))
 
 
 def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: list[str],
              budgets: list[int | float], kv_dtypes: list[str], *, text: str | Path | None = None,
              context: int = 2048, block_size: int = 16, chunk: int = 64, trials: int = 20,
-             token_reference: bool = True, deterministic: bool = True,
-             progress: Report = no_report) -> list[EvictRow]:
-    """One row per policy x budget x KV dtype (``full`` once per dtype, its budget None);
-    progress in tokens through the model."""
-    if task not in ("perplexity", "needle"):
-        raise ValueError(f"--task is perplexity or needle, not {task!r}")
+             token_reference: bool = True, deterministic: bool = True, chat: ChatTemplate | None = None,
+             seed: int = 0, progress: Report = no_report) -> list[EvictRow]:
+    """One row per policy x budget x KV dtype (``full`` once per dtype, its budget None), and for
+    ``needle`` and ``ruler`` per retrieval task, their prompts through ``chat`` (the model's
+    template, if it has one); progress in tokens through the model."""
+    if task not in TASKS:
+        raise ValueError(f"--task is {', '.join(TASKS)}, not {task!r}")
     ids = text_ids(tokenizer, text, context)
+    samples = {}
+    if TASKS[task]:
+        suite = Suite(tokenizer, Path(text or DEFAULT_TEXT).read_text(), context, chat, seed)
+        samples = {name: suite.samples(name, trials) for name in TASKS[task]}
     configs = [make_policy(p, b) for p in policies for b in (budgets if policy_class(p).active else [None])]
     for c in configs:
         c.check_unit(block_size)
@@ -202,8 +197,8 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
         return (False, True) if policy.active and not policy.waits_for_prompt else (False,)
 
     def units(policy: EvictionPolicy, kv_dtype: str) -> int:
-        if task == "needle":  # each prompt is about len(ids) tokens
-            return trials * (len(ids) + NEEDLE_TOKENS)
+        if task != "perplexity":  # each prompt is about len(ids) tokens
+            return sum(trials * (len(ids) + ANSWER_TOKENS[name]) for name in samples)
         return len(ids) * (1 + len(loops(policy, kv_dtype)))
     total = sum(units(p, d) for d in kv_dtypes for p in configs)
     done, what = 0, ""
@@ -216,9 +211,16 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
     for kv_dtype in kv_dtypes:
         for policy in configs:
             end = done + units(policy, kv_dtype)
-            what = f"{task}, {policy.name}{f' {policy.budget}' if policy.budget else ''}, KV {kv_dtype}"
-            tick(0)
-            if task == "perplexity":
+            label = f"{policy.name}{f' {policy.budget}' if policy.budget else ''}, KV {kv_dtype}"
+            if task != "perplexity":
+                for name, trial in samples.items():
+                    what = f"{name}, {label}"
+                    tick(0)
+                    rows.append(retrieval(model, tokenizer, trial, policy, kv_dtype, block_size, chunk,
+                                          deterministic, tick))
+            else:
+                what = f"{task}, {label}"
+                tick(0)
                 row = perplexity_engine(model, tokenizer, ids, policy, kv_dtype, block_size, chunk,
                                         deterministic, tick)
                 for renumber in loops(policy, kv_dtype):
@@ -227,11 +229,11 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
                         row.quality_token_renumbered = ppl
                     else:
                         row.quality_token = ppl
-            else:
-                row = needle(model, tokenizer, ids, policy, kv_dtype, block_size, chunk, trials,
-                             deterministic, tick)
+                rows.append(row)
             tick(max(0, end - done))  # the row's whole share, whatever its steps counted
-            rows.append(row)
+            # the row's engine holds GBs of cache in reference cycles that gc sees only rarely
+            # (tensors do not count toward its thresholds): free it before the next one's
+            gc.collect()
     return rows
 
 
@@ -248,6 +250,14 @@ def plot_rows(rows: list[EvictRow], path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     task = rows[0].task if rows else ""
+    tasks = list(dict.fromkeys(r.task for r in rows))
+    if task != "perplexity" and len(tasks) > 1:  # one point per configuration: its tasks' mean
+        task = f"mean of {', '.join(tasks)}"
+        configs: dict[tuple, list[EvictRow]] = {}
+        for r in rows:
+            configs.setdefault((r.policy, r.budget, r.kv_dtype), []).append(r)
+        rows = [EvictRow(task, p, b, d, sum(r.quality or 0 for r in g) / len(g), None,
+                         max(r.kv_bytes_kept for r in g), 0, 0, 0.0) for (p, b, d), g in configs.items()]
     # snapkv's perplexity is full's by construction (see the module doc): drawn, it would hide full
     keys = sorted({(r.policy, r.kv_dtype) for r in rows
                    if not (task == "perplexity" and policy_class(r.policy).waits_for_prompt)})
@@ -257,7 +267,7 @@ def plot_rows(rows: list[EvictRow], path: str | Path) -> None:
         style = "-o" if policy_class(policy).active else "o"
         ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], style, label=f"{policy} ({dtype})")
     ax.set_xlabel("KV cache kept per sequence (MiB, peak)")
-    ax.set_ylabel("perplexity (lower is better)" if task == "perplexity" else "needle accuracy")
+    ax.set_ylabel("perplexity (lower is better)" if task == "perplexity" else "accuracy")
     if task == "perplexity":
         from matplotlib.ticker import ScalarFormatter
 

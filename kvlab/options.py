@@ -163,7 +163,8 @@ class EngineOptions:
         None, "bytes the --kv-offload-dir tier may take (default: half the free space, at most "
         "10 GiB)", type=byte_size, metavar="BYTES")
     kv_policy: str = _opt("full", "token eviction: full (none), window, streaming (sinks + window), "
-                          "h2o (heavy hitters + window), snapkv (prompt votes + window)",
+                          "h2o (heavy hitters + window), snapkv (prompt votes + window), adakv (snapkv's "
+                          "votes per head)",
                           choices=POLICIES)
     kv_budget: int | float | None = _opt(
         None, "tokens each sequence keeps under --kv-policy (256), or a ratio of its context (0.25)",

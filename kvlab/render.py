@@ -399,30 +399,58 @@ def print_demo(d: DemoReport, console: Console | None = None) -> None:
 def print_evict(rows: list, model: str, context: int, console: Console | None = None) -> None:
     """The eviction table: quality beside the bytes kept and the blocks given back."""
     c = console or Console(width=max(Console().width, 110))
-    task = rows[0].task if rows else "perplexity"
-    t = Table(title=f"kvlab evict: {task} on {model}, {context:,} tokens", title_justify="left",
+    if rows and rows[0].task != "perplexity":
+        return _print_retrieval(rows, model, context, c)
+    t = Table(title=f"kvlab evict: perplexity on {model}, {context:,} tokens", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False)
     # headers on two lines, and never narrower than their longest word or a cell, which stay whole
-    quality = "perplexity\n(blocks)" if task == "perplexity" else "needle\naccuracy"
-    cols = ["policy", "budget", "KV dtype", quality]
-    if task == "perplexity":
-        cols += ["perplexity\n(tokens)", "(tokens,\nrenumbered)"]
-    cols += ["KV kept\n/ seq", "blocks\nfreed", "tokens\nevicted", "time"]
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("policy", "KV dtype") else "right", no_wrap=True,
-                     min_width=max(len(w) for w in col.split()))
+    cols = ["policy", "budget", "KV dtype", "perplexity\n(blocks)", "perplexity\n(tokens)", "(tokens,\nrenumbered)",
+            "KV kept\n/ seq", "blocks\nfreed", "tokens\nevicted", "time"]
+    _columns(t, cols)
     for r in rows:
-        q = "n/a" if r.quality is None else (f"{r.quality:.2f}" if task == "perplexity"
-                                            else f"{r.quality:.0%} of {r.trials}")
-        cells = [r.policy, "-" if r.budget is None else str(r.budget), r.kv_dtype, q]
-        if task == "perplexity":
-            cells += ["-" if x is None else f"{x:.2f}" for x in (r.quality_token, r.quality_token_renumbered)]
+        cells = [r.policy, "-" if r.budget is None else str(r.budget), r.kv_dtype]
+        cells += ["n/a" if x is None else f"{x:.2f}" for x in (r.quality, r.quality_token, r.quality_token_renumbered)]
         cells += [f"{r.kv_bytes_kept / 2**20:,.2f} MiB", f"{r.blocks_freed:,}", f"{r.tokens_evicted:,}",
                   f"{r.seconds:.1f} s"]
         t.add_row(*cells)
     c.print(t)
-    if task == "perplexity":
-        c.print("perplexity (blocks): the paged engine, whole blocks evicted; (tokens): the plain loop, "
-                "token by token, each key at its position in the text (as in the engine); (tokens, renumbered): "
-                "the loop with positions renumbered inside the cache, as StreamingLLM does. snapkv compresses a finished prompt, and a teacher-forced text is one "
-                "prompt to its end, so its perplexity equals full's: judge it on --task needle.")
+    c.print("perplexity (blocks): the paged engine, whole blocks evicted; (tokens): the plain loop, "
+            "token by token, each key at its position in the text (as in the engine); (tokens, renumbered): "
+            "the loop with positions renumbered inside the cache, as StreamingLLM does. snapkv compresses a finished prompt, and a teacher-forced text is one "
+            "prompt to its end, so its perplexity equals full's: judge it on --task needle.")
+
+
+def _columns(t: Table, cols: list[str]) -> None:
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("policy", "KV dtype") else "right", no_wrap=True,
+                     min_width=max(len(w) for w in col.split()))
+
+
+def _print_retrieval(rows: list, model: str, context: int, c: Console) -> None:
+    from kvlab.ruler import wilson
+
+    """One line per policy, budget and KV dtype; one column per retrieval task (its accuracy and
+    95% interval over its trials), their mean, the most KV one sequence kept and the time."""
+    tasks = list(dict.fromkeys(r.task for r in rows))
+    configs: dict[tuple, list] = {}
+    for r in rows:
+        configs.setdefault((r.policy, r.budget, r.kv_dtype), []).append(r)
+    t = Table(title=f"kvlab evict: {'ruler' if len(tasks) > 1 else tasks[0]} on {model}, {context:,} tokens, "
+              f"{rows[0].trials} trials a task", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    _columns(t, ["policy", "budget", "KV dtype"] + [name.replace("_", "\n", 1) for name in tasks]
+             + (["mean\n[95% CI]"] if len(tasks) > 1 else ["[95% CI]"]) + ["KV kept\n/ seq", "blocks\nfreed", "time"])
+    for (policy, budget, dtype), group in configs.items():
+        by_task = {r.task: r for r in group}
+        cells = [policy, "-" if budget is None else str(budget), dtype]
+        cells += ["-" if name not in by_task else f"{by_task[name].quality:.0%}" for name in tasks]
+        n = sum(r.trials for r in group)  # the interval over every trial of the line
+        mean = sum(r.quality * r.trials for r in group) / n
+        lo, hi = wilson(mean * n, n)
+        cells.append(f"{mean:.0%} [{lo:.0%}-{hi:.0%}]")
+        cells += [f"{max(r.kv_bytes_kept for r in group) / 2**20:,.2f} MiB",
+                  f"{sum(r.blocks_freed for r in group):,}", f"{sum(r.seconds for r in group):.1f} s"]
+        t.add_row(*cells)
+    c.print(t)
+    c.print("accuracy: the share of the answers found in the greedy output (kvlab.ruler says how each "
+            "task is built), with the 95% Wilson interval over the line's trials (--json: each task's); KV kept: the most one sequence "
+            "held, its budget plus the step written before the policy evicts.")

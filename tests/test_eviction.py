@@ -12,6 +12,7 @@ from kvlab.cli import main
 from kvlab.engine.llm import LLM
 from kvlab.evaluate import perplexity_engine, perplexity_loop
 from kvlab.eviction import SCORE_ONE, EvictionPolicy, fixed_point, make_policy, register, unregister
+from kvlab.ruler import TASKS as RULER_TASKS
 from kvlab.sampling import SamplingParams
 from tests.test_engine_parity import kv_bytes, prompts, tiny_model
 
@@ -62,6 +63,67 @@ def test_snapkv_votes_are_pooled_over_neighbours_and_sum_in_any_order():
     assert int(parts) == int(fixed_point(w).sum())
 
 
+def test_adakv_keeps_what_its_best_head_votes_for_as_a_plain_reference_does():
+    """Random per-head votes: the kept blocks are those a plain loop picks (pool each head's votes
+    over 7 neighbours, take the best head's, keep the recent window and the top blocks)."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, unit, budget, window = 160, 6, 8, 64, 16
+    scores = torch.randint(0, SCORE_ONE, (n, heads), generator=gen) * torch.randint(0, 2, (n, heads), generator=gen)
+    keep = make_policy("adakv", budget, obs_window=window).keep(_kept(n // unit), n, unit, scores)
+    best = [max(sum(int(scores[j, h]) for j in range(max(0, i - 3), min(n, i + 4))) for h in range(heads))
+            for i in range(n)]
+    recent = {n // unit - 1, n // unit - 2}  # the 16-token window: the last two blocks
+    per_unit = {u: sum(best[u * unit:(u + 1) * unit]) for u in range(n // unit) if u not in recent}
+    top = sorted(per_unit, key=lambda u: (-per_unit[u], u))[:budget // unit - len(recent)]
+    assert torch.nonzero(keep).flatten().tolist() == sorted(recent | set(top))
+
+
+def test_adakv_keeps_a_block_that_one_head_looks_hard_at():
+    """Eight heads spreading their votes over blocks 1-3 outweigh, summed, one head's sharp vote
+    for a token of block 6 (each head's votes add up to about the same): snapkv keeps two of
+    blocks 1-3, adakv block 6 and one of them."""
+    scores = torch.zeros(160, 9, dtype=torch.long)
+    scores[16:64, :8] = SCORE_ONE
+    scores[100, 8] = 40 * SCORE_ONE
+    ada = make_policy("adakv", 48, obs_window=16).keep(_kept(10), 160, 16, scores)
+    snap = make_policy("snapkv", 48, obs_window=16).keep(_kept(10), 160, 16, scores.sum(1))
+    assert ada.tolist() == [False, False, True, False, False, False, True, False, False, True]
+    assert snap.tolist() == [False, True, True] + [False] * 6 + [True]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_per_head_scores_add_up_to_the_summed_scores(llama, deterministic):
+    """adakv's per-head columns hold the same fixed-point mass as snapkv's one sum, in the paged
+    and in the deterministic (split) attention and in the plain loop: the columns add up exactly,
+    and each layer's own columns hold its share (layer 0's columns differ from layer 1's)."""
+    from kvlab.models.attention import EvictingKVCache
+
+    prompt = prompts((70,), seed=4)[0]
+    runs = {}
+    for name in ("snapkv", "adakv"):
+        llm = LLM(llama, kv_policy=name, kv_budget=64, block_size=8, deterministic=deterministic,
+                  preemption="swap-ram")
+        got = []
+        update = llm.engine.scheduler.update
+
+        def watched(out, *a, **k):  # the scores once the prompt is in, before the first eviction
+            if not got and all(c.start + c.num_tokens >= c.seq.num_prompt_tokens for c in out.chunks):
+                got.append(out.chunks[0].seq.scores.clone())
+            return update(out, *a, **k)
+        llm.engine.scheduler.update = watched
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        runs[name] = got[0][:70]
+        cache = EvictingKVCache(llama.spec, make_policy(name, 64), 80, 70, llama.dtype, llama.device)
+        llama(torch.tensor(prompt), cache.prepare(70), cache, None)
+        runs[name + " loop"] = cache.scores[:70].clone()
+    heads = llama.spec.layers[0].num_heads
+    for where in ("", " loop"):
+        ada, snap = runs["adakv" + where], runs["snapkv" + where]
+        assert ada.shape == (70, len(llama.spec.layers) * heads) and snap.shape == (70,)
+        assert torch.equal(ada.sum(1), snap) and snap.sum() > 0
+        assert not torch.equal(ada[:, :heads], ada[:, heads:2 * heads])
+
+
 def test_bad_budgets_are_one_line_errors(capsys):
     for argv, words in [
         (["bench", "austen-demo", "--kv-policy", "streaming", "--kv-budget", "8", "--num-requests", "1"],
@@ -76,7 +138,7 @@ def test_bad_budgets_are_one_line_errors(capsys):
         assert len(err) == 1 and words in err[0], err
 
 
-@pytest.mark.parametrize("policy", ["window", "streaming", "h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["window", "streaming", "h2o", "snapkv", "adakv"])
 def test_engine_gives_blocks_back_and_stays_bounded(llama, policy):
     """A long generation under a 48-token budget never holds more than budget + one step's
     blocks, and every block is free at the end."""
@@ -93,7 +155,7 @@ def test_engine_gives_blocks_back_and_stays_bounded(llama, policy):
             held = sum(b >= 0 for b in seq.block_tables[0])
             most = max(most, held)
     bound = budget // bs + 1 + 16 // bs
-    if policy == "snapkv":  # holds the whole prompt before it compresses
+    if policy in ("snapkv", "adakv"):  # holds the whole prompt before it compresses
         bound = max(bound, -(-70 // bs))
     assert most <= bound
     m = llm.metrics()
@@ -203,7 +265,7 @@ def test_renumbered_positions_rotate_kept_keys_to_their_place_in_the_cache(llama
         perplexity_loop(llama, ids, streaming, 16), rel=1e-4)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "adakv"])
 def test_scoring_policies_are_batch_invariant_under_deterministic(llama, policy):
     """--deterministic lays keys out in whole splits; the scores a policy adds to cover them too
     (a 70-token sequence's last split reaches position 127). Each prompt's tokens in a batch
@@ -270,7 +332,14 @@ def test_cli_evict_table_and_json(capsys, tmp_path):
     plot = tmp_path / "evict.png"
     assert main(argv[:-1] + ["--task", "needle", "--trials", "5", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "needle" in out and "accuracy" in out and plot.stat().st_size > 0  # a two-line header
+    assert "niah_single" in out and "accuracy" in out and plot.stat().st_size > 0  # a two-line header
+    assert main(argv + ["--task", "ruler", "--trials", "2", "--context", "384"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["policy"], r["task"]) for r in rows] == [(p, t) for p in ("full", "window", "streaming")
+                                                        for t in RULER_TASKS]
+    for r in rows:
+        lo, hi = r["interval"]
+        assert r["trials"] == 2 and 0 <= lo <= r["quality"] <= hi <= 1
 
 
 def test_server_with_a_policy_counts_evictions(tmp_path):
@@ -297,21 +366,24 @@ def test_server_with_a_policy_counts_evictions(tmp_path):
         live.stop()
 
 
-@pytest.mark.parametrize("task", ["perplexity", "needle"])
+@pytest.mark.parametrize("task", ["perplexity", "needle", "ruler"])
 def test_evaluate_progress_runs_to_its_total(task):
     """Progress counts tokens through the model, grows within a row (the bar moves during a
     long row, not only between rows) and ends exactly at the total it announced."""
     from kvlab.evaluate import evaluate
     from kvlab.models import load
 
+    from kvlab.evaluate import TASKS
+
     loaded = load("austen-demo", "fp32")
     calls = []
-    rows = evaluate(loaded.model, loaded.tokenizer, task, ["full", "window"], [64], ["auto"], context=128,
+    context = 128 if task == "perplexity" else 384  # room for the question around the text
+    rows = evaluate(loaded.model, loaded.tokenizer, task, ["full", "window"], [64], ["auto"], context=context,
                     chunk=32, trials=2, progress=lambda *a: calls.append(a))
     done = [d for d, _, _ in calls]
     assert len({t for _, t, _ in calls}) == 1 and done == sorted(done) and done[-1] == calls[0][1]
-    assert len({w for _, _, w in calls}) == len(rows) == 2
-    assert len(calls) > 2 * 128 // 32  # per engine step / loop chunk, not per row
+    assert len({w for _, _, w in calls}) == len(rows) == 2 * max(1, len(TASKS[task]))  # a row, a label
+    assert len(calls) > 2 * context // 32  # per engine step / loop chunk, not per row
 
 
 def test_evict_table_headers_are_whole():

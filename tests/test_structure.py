@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),  # what runs here, decided once
     ("models", "sampling"),  # the model and its layers; logits to tokens
     ("engine",),  # the paged engine
-    ("generate", "evaluate"),
+    ("generate", "evaluate", "ruler"),  # the generation loop; quality under eviction, its tasks
     ("measure", "bench", "demo"),
     ("server", "render", "plots"),
     ("cli",),

@@ -38,6 +38,7 @@ from kvlab import kernels
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.sequence import NULL_BLOCK
 from kvlab.layout import LayerGroup, cdiv
+from kvlab.eviction import add_scores
 from kvlab.models.attention import _mask, _sdpa, attend_scored
 from kvlab.models.invariant import SPLIT, split_attention
 
@@ -50,8 +51,8 @@ class SeqSpan:
     """One sequence's part of the step: compute positions [start, start + num_tokens).
 
     For an eviction policy that needs attention scores, ``scores`` is the sequence's per-position
-    attention mass, to which this step adds the weights of the queries at positions in
-    ``voters``."""
+    attention mass ([n], or [n, layers * heads] per head), to which this step adds the weights
+    of the queries at positions in ``voters``."""
 
     block_tables: list[list[int]]  # per group
     start: int
@@ -367,19 +368,20 @@ class PagedAttention:
             out[b.rows] = o[:, :, 0]
         for s in step.scored:
             keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, L, D]
-            out[s.rows], mass = attend_scored(q[s.rows], keys, vals, s.mask, s.voters)
-            s.scores.index_add_(0, s.key_positions, mass)
+            out[s.rows], mass = attend_scored(q[s.rows], keys, vals, s.mask, s.voters, s.scores.dim() == 2)
+            add_scores(s.scores, s.key_positions, mass, layer_idx)
         for s in step.splits:
             keys, vals = self.cache.read(layer_idx, s.key_slots, q.dtype)  # [KV, B, L, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             for a in range(0, s.rows.shape[1], QUERY_CHUNK):
                 rows = s.rows[:, a:a + QUERY_CHUNK]
                 voters = None if s.voters is None else s.voters[:, a:a + QUERY_CHUNK]
+                per_head = s.scores is not None and s.scores.dim() == 2
                 o, mass = split_attention(q[rows], keys, vals, s.allowed[:, a:a + QUERY_CHUNK],
-                                          self.row_block, voters)
+                                          self.row_block, voters, per_head)
                 out[rows] = o
                 if mass is not None and s.scores is not None:
-                    s.scores.index_add_(0, s.key_positions[0], mass[0])
+                    add_scores(s.scores, s.key_positions[0], mass[0], layer_idx)
         return out
 
 

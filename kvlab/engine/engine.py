@@ -209,7 +209,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, options.max_num_seqs, options.max_num_batched_tokens,
                                    max_model_len, swap, self.eviction,
                                    options.max_num_batched_tokens if options.deterministic else None)
-        self.runner = ModelRunner(self.executor, spec.vocab_size, self.eviction)
+        self.runner = ModelRunner(self.executor, spec.vocab_size, self.eviction, self.eviction.score_columns(
+            len(spec.layers), max(layer.num_heads for layer in spec.layers)))
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
         self.swap_fallbacks = 0

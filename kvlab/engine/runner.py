@@ -25,10 +25,11 @@ from kvlab.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, executor: Executor, vocab_size: int,
-                 eviction: EvictionPolicy = Full()) -> None:
+                 eviction: EvictionPolicy = Full(), score_columns: int = 1) -> None:
         self.executor = executor
         self.vocab_size = vocab_size
         self.eviction = eviction
+        self.score_columns = score_columns  # of a sequence's scores (the policy's, for this model)
 
     def execute(self, out: SchedulerOutput,
                 score_prompt: Collection[str] = ()) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
@@ -72,13 +73,13 @@ class ModelRunner:
         the queries that vote (h2o: every query; snapkv: the prompt's last obs_window)."""
         if not self.eviction.needs_scores:
             return SeqSpan(seq.block_tables, start, num_tokens)
-        if seq.scores is None or seq.scores.numel() < seq.num_tokens:
+        if seq.scores is None or seq.scores.shape[0] < seq.num_tokens:
             # whole splits: deterministic mode lays keys out by position in splits of SPLIT, and
             # adds the (zero) mass of a last split's empty tail at its positions too
             size = cdiv(max(2 * seq.num_tokens, SPLIT), SPLIT) * SPLIT
-            grown = torch.zeros(size, dtype=torch.long, device=self.executor.device)
+            grown = self.eviction.new_scores(size, self.score_columns, self.executor.device)
             if seq.scores is not None:
-                grown[:seq.scores.numel()] = seq.scores
+                grown[:seq.scores.shape[0]] = seq.scores
             seq.scores = grown
         voters = self.eviction.voters(seq.num_prompt_tokens)
         if voters is None or start >= voters.stop:  # snapkv decoding: the votes were cast

@@ -3,8 +3,9 @@
 The scheduler, the model runner, the paged attention and the plain loop's ``EvictingKVCache``
 know a policy only through these hooks, never by its name:
 
-- what it scores: ``needs_scores`` (the runtime keeps attention scores for it) and ``voters``
-  (the query positions whose attention counts);
+- what it scores: ``needs_scores`` (the runtime keeps attention scores for it), ``per_head``
+  (one column per layer and query head, not their sum) and ``voters`` (the query positions
+  whose attention counts);
 - when it may evict: ``ready`` (from ``active`` and ``waits_for_prompt``);
 - which units it keeps: ``keep``;
 - its budget: ``budget_tokens``, ``check_unit`` and ``max_tokens_held``.
@@ -33,6 +34,17 @@ def fixed_point(weights: Tensor) -> Tensor:
     return (weights.double() * SCORE_ONE).round_().long()
 
 
+def add_scores(scores: Tensor, positions: Tensor, mass: Tensor, layer_idx: int) -> None:
+    """Add one layer's attention mass at ``positions`` to a sequence's scores: ``mass`` [L] to
+    scores [n] (summed over layers and heads), or ``mass`` [L, H] to layer ``layer_idx``'s H
+    columns of scores [n, layers * H] (``per_head``)."""
+    if mass.dim() == 1:
+        scores.index_add_(0, positions, mass)
+    else:
+        heads = mass.shape[1]
+        scores.narrow(1, layer_idx * heads, heads).index_add_(0, positions, mass)
+
+
 @dataclass(frozen=True)
 class EvictionPolicy:
     """A policy and its budget: ``budget`` tokens (int) or a ratio of the tokens seen (float).
@@ -45,6 +57,7 @@ class EvictionPolicy:
     name: ClassVar[str] = ""  # its --kv-policy spelling: for the registry and reports only
     active: ClassVar[bool] = True  # False: it never evicts (``full``)
     needs_scores: ClassVar[bool] = False  # the runtime accumulates attention scores for it
+    per_head: ClassVar[bool] = False  # ... per layer and query head: scores [n, layers * heads]
     waits_for_prompt: ClassVar[bool] = False  # it evicts only once the whole prompt is computed
 
     budget: int | float | None = None
@@ -62,6 +75,18 @@ class EvictionPolicy:
             raise ValueError(f"--kv-budget must be at least 1 token, got {self.budget}")
 
     # --- what it scores --------------------------------------------------------------------------
+    def score_columns(self, num_layers: int, num_heads: int) -> int:
+        """Columns of a sequence's scores: 1 (the sum over layers and heads; the tensor is then
+        1-D) or one per layer and query head."""
+        return num_layers * num_heads if self.per_head else 1
+
+    def new_scores(self, size: int, columns: int, device) -> Tensor:
+        """Zero scores for ``size`` positions: [size], or [size, columns] per head."""
+        import torch
+
+        shape = (size,) if columns == 1 else (size, columns)
+        return torch.zeros(shape, dtype=torch.long, device=device)
+
     def voters(self, num_prompt_tokens: int) -> range | None:
         """Positions whose queries' attention counts toward the scores (None: no scores)."""
         return None
@@ -119,7 +144,8 @@ class EvictionPolicy:
         return 0, self.allowed_units(n, unit)
 
     def votes(self, scores: Tensor) -> Tensor | None:
-        """Per-position votes [n] from the attention scores [n]; None: no unit is kept by score."""
+        """Per-position votes [n] from the attention scores ([n], or [n, layers * heads] if
+        ``per_head``); None: no unit is kept by score."""
         return None
 
     def keep(self, kept: Tensor, n: int, unit: int, scores: Tensor | None) -> Tensor:

@@ -91,13 +91,29 @@ class SnapKV(EvictionPolicy):
         return _pooled(scores)
 
 
+@dataclass(frozen=True)
+class AdaKV(SnapKV):
+    """SnapKV's votes cast by each layer's query heads apart, a token's score its best head's:
+    the adaptive per-head budgets of Ada-KV (arXiv 2407.11550) in a cache whose blocks every head
+    shares. Ada-KV gives each head the share of a layer's budget that its attention asks for, so
+    a few heads that look hard at a few tokens keep them; summed over 30 layers' heads, as
+    SnapKV does, the vote of the heads that retrieve a fact is lost among the rest. Every head's
+    votes add up to the same mass (its voting queries' softmax rows), so their maxima compare."""
+
+    name = "adakv"
+    per_head = True
+
+    def votes(self, scores: Tensor) -> Tensor | None:
+        return _pooled(scores).amax(dim=1)
+
+
 def _pooled(scores: Tensor) -> Tensor:
-    """SnapKV's pooling: each position's score summed with its neighbours' (``SNAPKV_POOL``
-    positions centred on it), so a token next to a voted one stays with it."""
+    """SnapKV's pooling: each position's score ([n] or [n, heads]) summed with its neighbours'
+    (``SNAPKV_POOL`` positions centred on it), so a token next to a voted one stays with it."""
     import torch
 
     half = SNAPKV_POOL // 2
-    sums = torch.cat([scores.new_zeros(1), scores.cumsum(0)])
-    idx = torch.arange(scores.numel(), device=scores.device)
-    hi = (idx + half + 1).clamp(max=scores.numel())
+    sums = torch.cat([scores.new_zeros(1, *scores.shape[1:]), scores.cumsum(0)])
+    idx = torch.arange(scores.shape[0], device=scores.device)
+    hi = (idx + half + 1).clamp(max=scores.shape[0])
     return sums[hi] - sums[(idx - half).clamp(min=0)]

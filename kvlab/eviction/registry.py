@@ -6,7 +6,7 @@ from dataclasses import fields
 from typing import Any
 
 from kvlab.eviction.base import EvictionPolicy
-from kvlab.eviction.policies import H2O, Full, SnapKV, Streaming, Window
+from kvlab.eviction.policies import H2O, AdaKV, Full, SnapKV, Streaming, Window
 
 _CLASSES: dict[str, type[EvictionPolicy]] = {}
 
@@ -64,6 +64,6 @@ def parse_budget(text: str | int | float | None) -> int | float | None:
                          f"not {text!r}") from None
 
 
-for _cls in (Full, Window, Streaming, H2O, SnapKV):
+for _cls in (Full, Window, Streaming, H2O, SnapKV, AdaKV):
     register(_cls)
 POLICIES = tuple(_CLASSES)  # the built-in policies, in the CLI's order

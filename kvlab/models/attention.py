@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.eviction import EvictionPolicy, fixed_point
+from kvlab.eviction import EvictionPolicy, add_scores, fixed_point
 from kvlab.kernels import CacheLayout, StepRows
 from kvlab.spec import LayerSpec, ModelSpec
 
@@ -90,13 +90,13 @@ SCORE_CHUNK = 256  # query rows per pass when attention weights are needed (boun
 
 
 def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
-                  voters: Tensor | None) -> tuple[Tensor, Tensor]:
+                  voters: Tensor | None, per_head: bool = False) -> tuple[Tensor, Tensor]:
     """Attention that also says where it went, for eviction policies.
 
     q [n, H, D]; keys/vals [KV, L, D]; mask [n, L] (True = may attend) or None (every query sees
     every key); voters [n] bool: the queries whose weights count (None: all). Returns the output
     [n, H, D] and the attention mass per key [L] (int64 fixed point, ``fixed_point``, summed
-    over heads and voting queries).
+    over heads and voting queries), or per key and head [L, H] with ``per_head``.
     Queries go in chunks of ``SCORE_CHUNK`` rows, so the weights held at once are [H, chunk, L],
     never [H, n, L] for a long prompt.
     """
@@ -104,7 +104,7 @@ def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
     kv, length = keys.shape[0], keys.shape[1]
     group = h // kv
     out = torch.empty_like(q)
-    mass = torch.zeros(length, dtype=torch.long, device=q.device)
+    mass = torch.zeros(kv, group, length, dtype=torch.long, device=q.device)
     kf, vf = keys.float(), vals.float()
     for a in range(0, n, SCORE_CHUNK):
         b = min(n, a + SCORE_CHUNK)
@@ -119,8 +119,8 @@ def attend_scored(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None,
         counted = fixed_point(w)
         if voters is not None:
             counted *= voters[a:b][None, None, :, None]
-        mass += counted.sum(dim=(0, 1, 2))
-    return out, mass
+        mass += counted.sum(dim=2)
+    return out, (mass.view(h, length).t() if per_head else mass.sum(dim=(0, 1)))
 
 
 def _to_heads(x: Tensor, batch: int) -> Tensor:
@@ -301,9 +301,11 @@ class EvictingKVCache:
         self.positions[self.held:self.held + num_tokens] = torch.arange(start, start + num_tokens)
         self._n = num_tokens
         given = self.held if self.renumber is not None else start  # the model's RoPE positions
-        if self.policy.needs_scores and self.scores.numel() < start + num_tokens:
-            grown = torch.zeros(2 * (start + num_tokens), dtype=torch.long, device=self.scores.device)
-            grown[:self.scores.numel()] = self.scores
+        if self.policy.needs_scores and self.scores.shape[0] < start + num_tokens:
+            columns = self.policy.score_columns(len(self.spec.layers), max(l.num_heads for l in self.spec.layers))
+            grown = self.policy.new_scores(2 * (start + num_tokens), columns, self.scores.device)
+            if self.scores.shape[0]:
+                grown[:self.scores.shape[0]] = self.scores
             self.scores = grown
         return torch.arange(given, given + num_tokens, device=device or self.positions.device)
 
@@ -317,8 +319,8 @@ class EvictingKVCache:
         mask = _mask(q_pos, k_pos, None) if n > 1 else None
         voters = self._voters(q_pos)
         if voters is not None:
-            out, mass = attend_scored(q, keys, vals, mask, voters)
-            self.scores.index_add_(0, k_pos, mass)
+            out, mass = attend_scored(q, keys, vals, mask, voters, self.policy.per_head)
+            add_scores(self.scores, k_pos, mass, layer_idx)
             return out
         o = _sdpa(q.transpose(0, 1)[None], keys[None], vals[None],
                   None if mask is None else mask[None, None])

@@ -137,7 +137,7 @@ def check_attention(head_dims: set[int], device: torch.device) -> int:
 
 
 def split_attention(q: Tensor, keys: Tensor, vals: Tensor, allowed: Tensor, row_block: int,
-                    voters: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                    voters: Tensor | None = None, per_head: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention whose every output row is bitwise independent of the other rows, of the batch
     and of how many split-aligned keys follow.
 
@@ -145,7 +145,8 @@ def split_attention(q: Tensor, keys: Tensor, vals: Tensor, allowed: Tensor, row_
     tensors at an absolute position congruent to j modulo ``SPLIT``; allowed [B, n, L] bool
     (True = the query may see the key; every query sees at least one). ``voters`` [B, n] bool:
     also return each key's attention mass over the heads and voting queries, as fixed-point int64
-    ``[B, L]`` (see ``kvlab.eviction.fixed_point``), whose sums do not depend on order either.
+    ``[B, L]`` (see ``kvlab.eviction.fixed_point``), whose sums do not depend on order either;
+    with ``per_head``, per key and query head ``[B, L, H]``.
     Returns the output [B, n, H, D] in q's dtype and the mass (or None).
     """
     b, n, h, d = q.shape
@@ -173,5 +174,7 @@ def split_attention(q: Tensor, keys: Tensor, vals: Tensor, allowed: Tensor, row_
     if voters is None:
         return out, None
     weights = p / total[..., d:].view(b, kv, group, rows, 1)
-    counted = fixed_point(weights[:, :, :, :n]) * voters[:, None, None, :, None]
-    return out, counted.sum(dim=(1, 2, 3))
+    counted = (fixed_point(weights[:, :, :, :n]) * voters[:, None, None, :, None]).sum(dim=3)  # [B, KV, G, L]
+    if per_head:
+        return out, counted.view(b, h, length).transpose(1, 2)
+    return out, counted.sum(dim=(1, 2))

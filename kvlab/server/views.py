@@ -216,7 +216,7 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
                   chunk: int = 16) -> dict:
     """The prompt through each eviction policy, token by token (``EvictingKVCache``, chunks of
     ``chunk`` tokens as the engine's steps): which tokens each keeps and why (sink, heavy hitter,
-    recent window), the attention mass h2o and snapkv chose by, and the bytes kept."""
+    recent window), the attention mass h2o, snapkv and adakv chose by, and the bytes kept."""
     ids = tokenizer.encode(prompt)
     if len(ids) > MAX_EVICT_PROMPT:
         raise APIError(f"the prompt is {len(ids)} tokens; the eviction view takes {MAX_EVICT_PROMPT} at most",
@@ -254,7 +254,8 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
                 roles.append("heavy")
         mass = None
         if policy.needs_scores:
-            scores = cache.scores[:n].double()
+            scores = cache.scores[:n]
+            scores = (scores.amax(dim=1) if scores.dim() == 2 else scores).double()  # adakv: its best head
             mass = (scores / scores.max().clamp(min=1)).tolist()
         out.append({"policy": policy.name, "kept": len(kept), "roles": roles, "mass": mass,
                     "kv_bytes_kept": len(kept) * per_token, "kv_bytes_full": n * per_token})
