@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT=out/bench
 mkdir -p "$OUT"
 KV=".venv/bin/kvlab"
-$KV evict --task needle --context 1024 --budgets 128,256 --trials 20 --threads 1 \
+$KV evict --task needle --context 2048 --budgets 256,512 --trials 20 --threads 1 \
     --json --plot "$OUT/evict-needle.png" > "$OUT/evict-needle.json" &
 $KV evict --task perplexity --context 2048 --budgets 128,256,512 --threads 1 \
     --json --plot "$OUT/evict-perplexity.png" > "$OUT/evict-perplexity.json"
@@ -15,3 +15,5 @@ wait
 $KV evict --task perplexity --context 1024 --policies full,streaming --budgets 256 \
     --kv-dtype auto,bf16,fp8_e4m3,fp8_e5m2,int8 --threads 1 \
     --json --plot "$OUT/evict-dtypes.png" > "$OUT/evict-dtypes.json"
+$KV evict --task ruler --context 2048 --budgets 256,512 --trials 10 --policies full,streaming,snapkv,adakv \
+    --threads 1 --json --plot "$OUT/evict-ruler.png" > "$OUT/evict-ruler.json"

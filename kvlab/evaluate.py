@@ -68,6 +68,9 @@ class EvictRow:
     # the plain loop again, positions renumbered inside the cache (StreamingLLM) instead of kept
     quality_token_renumbered: float | None = None
     interval: tuple[float, float] | None = None  # an accuracy's 95% Wilson interval
+    # the most one sequence held while it generated, once its prompt was in and compressed (what
+    # a policy that waits for the prompt keeps); None: it generated nothing (perplexity)
+    kv_bytes_decoding: int | None = None
 
 
 def text_ids(tokenizer: TextTokenizer, path: str | Path | None, context: int) -> list[int]:
@@ -90,26 +93,30 @@ def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_d
                deterministic=deterministic, preemption="swap-ram")
 
 
-def _peak(llm: LLM, run: Callable[[], None], tick: Tick) -> tuple[int, float]:
+def _peak(llm: LLM, run: Callable[[], None], tick: Tick) -> tuple[int, int, float]:
     """Run while watching the engine: (most blocks one sequence held after a step's eviction,
-    before finished requests let go of theirs; seconds); ``tick`` the tokens of each step."""
-    peak = 0
+    before finished requests let go of theirs; the most once past its prompt; seconds);
+    ``tick`` the tokens of each step."""
+    peak = decoding = 0
     scheduler = llm.engine.scheduler
     update = scheduler.update
 
     def watched(out, *args, **kwargs):
-        nonlocal peak
+        nonlocal peak, decoding
         update(out, *args, **kwargs)
         tick(sum(chunk.num_tokens for chunk in out.chunks))
         for seq in scheduler.running:
-            peak = max(peak, sum(b != NULL_BLOCK for b in seq.block_tables[0]))
+            held = sum(b != NULL_BLOCK for b in seq.block_tables[0])
+            peak = max(peak, held)
+            if seq.num_computed_tokens > seq.num_prompt_tokens:
+                decoding = max(decoding, held)
     scheduler.update = watched  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
         run()
     finally:
         scheduler.update = update  # type: ignore[method-assign]
-    return peak, time.perf_counter() - t0
+    return peak, decoding, time.perf_counter() - t0
 
 
 def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int], policy: EvictionPolicy,
@@ -120,7 +127,7 @@ def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int],
 
     def run():
         result["out"] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
-    peak, seconds = _peak(llm, run, tick)
+    peak, _, seconds = _peak(llm, run, tick)
     scored = [lp.logprob for lp in result["out"].prompt_logprobs if lp is not None]
     m = llm.metrics()
     return EvictRow("perplexity", policy.name, policy.budget, llm.capacity.kv_dtype,
@@ -164,12 +171,13 @@ def retrieval(model: CausalLM, tokenizer: TextTokenizer, samples: list[Sample], 
 
     def run():
         result["outs"] = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=answer, ignore_eos=True))
-    peak, seconds = _peak(llm, run, tick)
+    peak, decoding, seconds = _peak(llm, run, tick)
     score = sum(s.score(out.text) for s, out in zip(samples, result["outs"]))
     m = llm.metrics()
     return EvictRow(task, policy.name, policy.budget, llm.capacity.kv_dtype, score / len(samples), None,
                     peak * block_size * llm.capacity.bytes_per_token, m.evicted_blocks,
-                    m.evicted_tokens, seconds, len(samples), interval=wilson(score, len(samples)))
+                    m.evicted_tokens, seconds, len(samples), interval=wilson(score, len(samples)),
+                    kv_bytes_decoding=decoding * block_size * llm.capacity.bytes_per_token)
 
 
 def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: list[str],
@@ -257,16 +265,21 @@ def plot_rows(rows: list[EvictRow], path: str | Path) -> None:
         for r in rows:
             configs.setdefault((r.policy, r.budget, r.kv_dtype), []).append(r)
         rows = [EvictRow(task, p, b, d, sum(r.quality or 0 for r in g) / len(g), None,
-                         max(r.kv_bytes_kept for r in g), 0, 0, 0.0) for (p, b, d), g in configs.items()]
+                         max(r.kv_bytes_kept for r in g), 0, 0, 0.0,
+                         kv_bytes_decoding=max(r.kv_bytes_decoding or 0 for r in g))
+                for (p, b, d), g in configs.items()]
     # snapkv's perplexity is full's by construction (see the module doc): drawn, it would hide full
     keys = sorted({(r.policy, r.kv_dtype) for r in rows
                    if not (task == "perplexity" and policy_class(r.policy).waits_for_prompt)})
     for policy, dtype in keys:
-        pts = sorted((r.kv_bytes_kept, r.quality) for r in rows
+        # retrieval: what stays for generating (a policy that waits for the prompt holds all of it
+        # first: the table's peak says so); perplexity: the peak
+        pts = sorted((r.kv_bytes_decoding or r.kv_bytes_kept, r.quality) for r in rows
                      if (r.policy, r.kv_dtype) == (policy, dtype) and r.quality is not None)
         style = "-o" if policy_class(policy).active else "o"
         ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], style, label=f"{policy} ({dtype})")
-    ax.set_xlabel("KV cache kept per sequence (MiB, peak)")
+    ax.set_xlabel("KV cache kept per sequence (MiB, peak)" if task == "perplexity"
+                  else "KV cache kept per sequence while generating (MiB)")
     ax.set_ylabel("perplexity (lower is better)" if task == "perplexity" else "accuracy")
     if task == "perplexity":
         from matplotlib.ticker import ScalarFormatter

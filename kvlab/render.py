@@ -437,20 +437,24 @@ def _print_retrieval(rows: list, model: str, context: int, c: Console) -> None:
         configs.setdefault((r.policy, r.budget, r.kv_dtype), []).append(r)
     t = Table(title=f"kvlab evict: {'ruler' if len(tasks) > 1 else tasks[0]} on {model}, {context:,} tokens, "
               f"{rows[0].trials} trials a task", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    _columns(t, ["policy", "budget", "KV dtype"] + [name.replace("_", "\n", 1) for name in tasks]
-             + (["mean\n[95% CI]"] if len(tasks) > 1 else ["[95% CI]"]) + ["KV kept\n/ seq", "blocks\nfreed", "time"])
+    many = len(tasks) > 1  # a column per task, then their mean; else the one task's accuracy
+    _columns(t, ["policy", "budget", "KV dtype"] + [name.replace("_", "\n", 1) for name in tasks if many]
+             + ["mean\n[95% CI]" if many else "accuracy\n[95% CI]"]
+             + ["KV peak\n/ seq", "KV gen.\n/ seq", "blocks\nfreed", "time"])
     for (policy, budget, dtype), group in configs.items():
         by_task = {r.task: r for r in group}
         cells = [policy, "-" if budget is None else str(budget), dtype]
-        cells += ["-" if name not in by_task else f"{by_task[name].quality:.0%}" for name in tasks]
+        cells += ["-" if name not in by_task else f"{by_task[name].quality:.0%}" for name in tasks if many]
         n = sum(r.trials for r in group)  # the interval over every trial of the line
         mean = sum(r.quality * r.trials for r in group) / n
         lo, hi = wilson(mean * n, n)
         cells.append(f"{mean:.0%} [{lo:.0%}-{hi:.0%}]")
         cells += [f"{max(r.kv_bytes_kept for r in group) / 2**20:,.2f} MiB",
+                  f"{max(r.kv_bytes_decoding or 0 for r in group) / 2**20:,.2f} MiB",
                   f"{sum(r.blocks_freed for r in group):,}", f"{sum(r.seconds for r in group):.1f} s"]
         t.add_row(*cells)
     c.print(t)
     c.print("accuracy: the share of the answers found in the greedy output (kvlab.ruler says how each "
-            "task is built), with the 95% Wilson interval over the line's trials (--json: each task's); KV kept: the most one sequence "
-            "held, its budget plus the step written before the policy evicts.")
+            "task is built), with the 95% Wilson interval over the line's trials (--json: each task's); KV peak: the most one "
+            "sequence held (snapkv and adakv hold the whole prompt until it is in); KV gen.: the most while it generated, "
+            "its budget plus the step written before the policy evicts.")

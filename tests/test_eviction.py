@@ -340,6 +340,9 @@ def test_cli_evict_table_and_json(capsys, tmp_path):
     for r in rows:
         lo, hi = r["interval"]
         assert r["trials"] == 2 and 0 <= lo <= r["quality"] <= hi <= 1
+        assert 0 < r["kv_bytes_decoding"] <= r["kv_bytes_kept"]
+        if r["policy"] != "full":  # the budget, the block being written and the 32-token step
+            assert r["kv_bytes_decoding"] <= (64 + 16 + 32) * 2048
 
 
 def test_server_with_a_policy_counts_evictions(tmp_path):

@@ -64,7 +64,7 @@ FAST: dict[str, dict[str, str]] = {
     "measure": {"--contexts": "16,32", "--new-tokens": "4", "--prompt": "8"},
     "bench": {"--num-requests": "2", "--input-len": "8:16", "--output-len": "2:4", "--hf-batch-size": "2"},
     "demo": {"--max-tokens": "8"},
-    "evict": {"--context": "128", "--budgets": "64", "--chunk": "32", "--trials": "2"},
+    "evict": {"--context": "320", "--budgets": "64", "--chunk": "32", "--trials": "2"},  # room for a question
 }
 NO_SHRINK = {"plan", "models"}  # no model runs: as written they take a second
 PATHS = {"./my-checkpoint/": "a checkpoint folder (config.json + tokenizer.json)"}
