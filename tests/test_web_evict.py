@@ -10,7 +10,7 @@ from tests.test_server_fixtures import server  # noqa: F401
 def test_eviction_view_draws_each_policys_choice(page, api):  # noqa: F811
     prompt = "the cache holds keys and values " * 6
     ref = api.post("/api/evict", json={"prompt": prompt, "budget": 12}).json()
-    assert [p["policy"] for p in ref["policies"]] == ["full", "window", "streaming", "h2o", "snapkv"]
+    assert [p["policy"] for p in ref["policies"]] == ["full", "window", "streaming", "h2o", "snapkv", "adakv"]
     page.click('nav button[data-view="evict"]')
     page.fill('#evict-form textarea[name="prompt"]', prompt)
     page.fill('#evict-form input[name="budget"]', "12")
