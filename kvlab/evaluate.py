@@ -82,6 +82,9 @@ def text_ids(tokenizer: TextTokenizer, path: str | Path | None, context: int) ->
 
 def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_dtype: str,
          block_size: int, chunk: int, context: int, sequences: int, deterministic: bool) -> LLM:
+    # the previous row's engine holds GBs of cache in reference cycles that gc sees only rarely
+    # (tensors do not count toward its thresholds): free it before this one allocates
+    gc.collect()
     stored = MODEL_KV_DTYPE[model.dtype] if kv_dtype == "auto" else kv_dtype
     blocks = sequences * (math.ceil(context / block_size) + 2)  # room for every policy, full too
     # swap, never recompute (there is room for all, so neither happens; deterministic mode
@@ -239,9 +242,6 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
                         row.quality_token = ppl
                 rows.append(row)
             tick(max(0, end - done))  # the row's whole share, whatever its steps counted
-            # the row's engine holds GBs of cache in reference cycles that gc sees only rarely
-            # (tensors do not count toward its thresholds): free it before the next one's
-            gc.collect()
     return rows
 
 
