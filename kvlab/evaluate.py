@@ -35,7 +35,9 @@ import torch
 from kvlab.data import PERSUASION
 from kvlab.engine.engine import MODEL_KV_DTYPE
 from kvlab.engine.llm import LLM
+from kvlab.dtypes import kv_dtype as storage_dtype
 from kvlab.engine.sequence import NULL_BLOCK
+from kvlab.layout import layer_groups
 from kvlab.eviction import EvictionPolicy, make_policy, policy_class
 from kvlab.models.attention import EvictingKVCache
 from kvlab.models.chat import ChatTemplate
@@ -97,11 +99,16 @@ def _llm(model: CausalLM, tokenizer: TextTokenizer, policy: EvictionPolicy, kv_d
 
 
 def _peak(llm: LLM, run: Callable[[], None], tick: Tick) -> tuple[int, int, float]:
-    """Run while watching the engine: (most blocks one sequence held after a step's eviction,
+    """Run while watching the engine: (most KV bytes one sequence held after a step's eviction,
     before finished requests let go of theirs; the most once past its prompt; seconds);
-    ``tick`` the tokens of each step."""
+    ``tick`` the tokens of each step. A sequence's bytes: its blocks in every layer group (a
+    hybrid model's sliding groups hold their window, its full groups what the policy kept)."""
     peak = decoding = 0
-    scheduler = llm.engine.scheduler
+    engine = llm.engine
+    scheduler = engine.scheduler
+    layers, stored = engine.model.spec.layers, storage_dtype(engine.capacity.kv_dtype)
+    block_bytes = [engine.capacity.block_size * sum(layers[i].kv_bytes_per_token(stored) for i in g.layers)
+                   for g in engine.kv.groups]
     update = scheduler.update
 
     def watched(out, *args, **kwargs):
@@ -109,7 +116,8 @@ def _peak(llm: LLM, run: Callable[[], None], tick: Tick) -> tuple[int, int, floa
         update(out, *args, **kwargs)
         tick(sum(chunk.num_tokens for chunk in out.chunks))
         for seq in scheduler.running:
-            held = sum(b != NULL_BLOCK for b in seq.block_tables[0])
+            held = sum(size * sum(b != NULL_BLOCK for b in table)
+                       for size, table in zip(block_bytes, seq.block_tables))
             peak = max(peak, held)
             if seq.num_computed_tokens > seq.num_prompt_tokens:
                 decoding = max(decoding, held)
@@ -135,7 +143,7 @@ def perplexity_engine(model: CausalLM, tokenizer: TextTokenizer, ids: list[int],
     m = llm.metrics()
     return EvictRow("perplexity", policy.name, policy.budget, llm.capacity.kv_dtype,
                     math.exp(-sum(scored) / len(scored)), None,
-                    peak * block_size * llm.capacity.bytes_per_token, m.evicted_blocks,
+                    peak, m.evicted_blocks,
                     m.evicted_tokens, seconds)
 
 
@@ -178,9 +186,9 @@ def retrieval(model: CausalLM, tokenizer: TextTokenizer, samples: list[Sample], 
     score = sum(s.score(out.text) for s, out in zip(samples, result["outs"]))
     m = llm.metrics()
     return EvictRow(task, policy.name, policy.budget, llm.capacity.kv_dtype, score / len(samples), None,
-                    peak * block_size * llm.capacity.bytes_per_token, m.evicted_blocks,
+                    peak, m.evicted_blocks,
                     m.evicted_tokens, seconds, len(samples), interval=wilson(score, len(samples)),
-                    kv_bytes_decoding=decoding * block_size * llm.capacity.bytes_per_token)
+                    kv_bytes_decoding=decoding)
 
 
 def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: list[str],
@@ -201,9 +209,12 @@ def evaluate(model: CausalLM, tokenizer: TextTokenizer, task: str, policies: lis
     configs = [make_policy(p, b) for p in policies for b in (budgets if policy_class(p).active else [None])]
     for c in configs:
         c.check_unit(block_size)
+    # the plain loop's compacting cache holds full-attention layers only
+    compacting = all(g.window is None for g in layer_groups(model.spec))
+
     def loops(policy: EvictionPolicy, kv_dtype: str) -> tuple[bool, ...]:
         """The plain-loop references of a perplexity row: renumber False, then True."""
-        if not token_reference or kv_dtype not in ("auto", "fp32"):
+        if not token_reference or not compacting or kv_dtype not in ("auto", "fp32"):
             return ()
         return (False, True) if policy.active and not policy.waits_for_prompt else (False,)
 

@@ -14,9 +14,10 @@ from kvlab.evaluate import perplexity_engine, perplexity_loop
 from kvlab.eviction import SCORE_ONE, EvictionPolicy, fixed_point, make_policy, register, unregister
 from kvlab.ruler import TASKS as RULER_TASKS
 from kvlab.sampling import SamplingParams
-from tests.test_engine_parity import kv_bytes, prompts, tiny_model
+from tests.test_engine_parity import kv_bytes, prompts, reference, tiny_model
 
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +178,63 @@ def test_one_token_blocks_equal_the_token_granular_loop(llama, policy):
     # 16-token blocks keep whole blocks (40 tokens -> 2 blocks): a different cache, another figure
     blocky = perplexity_engine(llama, None, ids, policy, "fp32", block_size=16, chunk=16)
     assert (blocky.quality == pytest.approx(loop, rel=1e-4)) == (not policy.active)
+
+
+HYBRID = {"num_hidden_layers": 3, "sliding_window": 6,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
+
+def test_a_hybrid_model_evicts_on_its_full_layer_as_a_window_would():
+    """Gemma 3's shape (sliding layers and a full one): a policy evicts on the full layer only.
+    With 1-token blocks, one token a step and a budget of window - 1, the window policy leaves
+    each query of the full layer the same 6 keys a sliding layer sees: the engine's tokens are
+    those of the same weights with every layer sliding (the plain loop)."""
+    hybrid, sliding = tiny_model(**HYBRID), tiny_model(**{**HYBRID, "layer_types": ["sliding_attention"] * 3})
+    batch = prompts((20, 13), seed=7)
+    llm = LLM(hybrid, kv_policy="window", kv_budget=5, block_size=1, max_num_batched_tokens=1,
+              kv_memory=kv_bytes(hybrid, 128, 1))
+    got = [o.token_ids for o in llm.generate(batch, SHORT)]
+    assert got == reference(sliding, batch, SHORT)
+    assert got != reference(hybrid, batch, SHORT)  # eviction did change the full layer
+    assert llm.metrics().evicted_blocks > 0
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "adakv"])
+def test_a_hybrid_model_scores_and_frees_its_full_layer_only(policy):
+    """Scores come from the full layer's attention (a sliding layer's would favour its window),
+    the full group stays within the budget, the sliding group within its window, and every
+    block of both pools is free at the end."""
+    model = tiny_model(**HYBRID)
+    bs, budget = 4, 24
+    llm = LLM(model, kv_memory=kv_bytes(model, 48, bs), block_size=bs, kv_policy=policy,
+              kv_budget=budget, max_num_batched_tokens=8, preemption="swap-ram")
+    engine = llm.engine
+    full = next(i for i, g in enumerate(engine.kv.groups) if g.window is None)
+    for p in prompts((40, 30), seed=8):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    held, heads, scored = {0: 0, 1: 0}, model.spec.layers[0].num_heads, policy != "adakv"
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            for gi, table in enumerate(seq.block_tables):
+                held[gi] = max(held[gi], sum(b >= 0 for b in table))
+            if seq.scores is not None and seq.scores.dim() == 2:  # adakv: a column per layer and head
+                assert seq.scores[:, :heads].sum() == 0 == seq.scores[:, 2 * heads:].sum()
+                scored |= bool(seq.scores[:, heads:2 * heads].sum() > 0)
+    bound = budget // bs + 1 + 8 // bs
+    if policy != "streaming":  # holds the whole prompt before it compresses
+        bound = max(bound, 40 // bs)
+    assert 0 < held[full] <= bound and scored
+    assert held[1 - full] <= -(-(6 - 1 + 8 - 1) // bs) + 1
+    m = llm.metrics()
+    assert m.evicted_blocks > 0 and m.kv_blocks_used == 0
+    assert all(pool.num_available == 48 for pool in engine.kv.pools)
+
+
+def test_a_model_whose_every_layer_slides_is_refused_in_one_line():
+    model = tiny_model(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    with pytest.raises(ValueError, match="every layer of .* has a sliding window"):
+        LLM(model, kv_policy="h2o", kv_budget=32, block_size=4)
 
 
 class KeepOldest(EvictionPolicy):

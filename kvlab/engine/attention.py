@@ -181,7 +181,7 @@ def build_group_step(spans: list[SeqSpan], group_idx: int, group: LayerGroup, bl
         rows = slice(row, row + n)
         row += n
         voters = None
-        if span.scores is not None:
+        if span.scores is not None and window is None:  # eviction scores full layers only
             voters = (q_pos >= span.voters.start) & (q_pos < span.voters.stop)
         if split is None:
             if voters is not None:

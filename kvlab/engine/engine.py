@@ -165,9 +165,11 @@ class LLMEngine:
         groups = layer_groups(spec)
         swap = options.preemption != "recompute"
         self.eviction = make_policy(options.kv_policy, options.kv_budget)
-        if self.eviction.active and any(g.window is not None for g in groups):
-            raise ValueError(f"--kv-policy {self.eviction.name}: {spec.name} has sliding-window layers, "
-                             f"which evict by their window already; use --kv-policy full")
+        # hybrid models (Gemma 3) evict on their full-attention layers: the sliding ones give
+        # blocks back by their window already
+        if self.eviction.active and all(g.window is not None for g in groups):
+            raise ValueError(f"--kv-policy {self.eviction.name}: every layer of {spec.name} has a sliding "
+                             f"window, which evicts by itself; use --kv-policy full")
         if self.eviction.needs_scores and options.tp > 1:
             raise ValueError(f"--kv-policy {self.eviction.name} reads attention scores, which tensor-"
                              f"parallel ranks hold in pieces: use --tp 1 or --kv-policy window/streaming")

@@ -195,11 +195,13 @@ class KVCacheManager:
 
     def evict(self, seq: Sequence, keep: list[bool]) -> int:
         """Give back the blocks of ``seq`` whose ``keep`` flag is False (one flag per block of its
-        tables; every group is full attention). Blocks already offered to the prefix cache stay
-        findable there until reused: they were computed from the full text. Returns the blocks
-        given back."""
+        tables) in the full-attention groups; sliding groups keep their window. Blocks already
+        offered to the prefix cache stay findable there until reused: they were computed from the
+        full text. Returns the blocks given back."""
         freed = 0
-        for pool, table in zip(self.pools, seq.block_tables):
+        for g, pool, table in zip(self.groups, self.pools, seq.block_tables):
+            if g.window is not None:
+                continue
             gone = [i for i, k in enumerate(keep) if not k and table[i] != NULL_BLOCK]
             pool.release(table[i] for i in reversed(gone))
             for i in gone:
@@ -273,7 +275,7 @@ class KVCacheManager:
         """Give the hit's tier blocks fresh pool blocks, findable at once, their bytes to be
         written before the step (``take_loads``); count the prompt tokens each tier gave."""
         hashes = seq.block_hashes(hit.tokens // self.block_size, self.block_size)
-        counted = next((gi for gi, g in enumerate(self.groups) if g.window is None), 0)
+        counted = self.full_group
         for gi, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
             for i, block in enumerate(table):
                 if block != TIER_BLOCK:
@@ -328,8 +330,16 @@ class KVCacheManager:
         return copies
 
     def held_blocks(self, seq: Sequence) -> list[bool]:
-        """Which blocks of the sequence's tables it still holds (first group's view)."""
-        return [b != NULL_BLOCK for b in seq.block_tables[0]] if seq.block_tables else []
+        """Which blocks of the sequence's tables it still holds (a full-attention group's view:
+        the one eviction acts on)."""
+        if not seq.block_tables:
+            return []
+        return [b != NULL_BLOCK for b in seq.block_tables[self.full_group]]
+
+    @property
+    def full_group(self) -> int:
+        """The first full-attention group (0 if every group slides)."""
+        return next((gi for gi, g in enumerate(self.groups) if g.window is None), 0)
 
     # --- figures --------------------------------------------------------------------------------
     @property

@@ -82,6 +82,8 @@ class ModelRunner:
                 grown[:seq.scores.shape[0]] = seq.scores
             seq.scores = grown
         voters = self.eviction.voters(seq.num_prompt_tokens)
-        if voters is None or start >= voters.stop:  # snapkv decoding: the votes were cast
+        # no query of this chunk votes (snapkv: the prompt before its window, or decoding after
+        # the votes were cast): the unscored kernels, which add no mass either
+        if voters is None or start >= voters.stop or start + num_tokens <= voters.start:
             return SeqSpan(seq.block_tables, start, num_tokens)
         return SeqSpan(seq.block_tables, start, num_tokens, seq.scores, voters)
