@@ -160,6 +160,8 @@ class Scheduler:
             if hit is not None and hit.from_tiers:
                 hit = self.kv.fetch(seq, hit)
             start = hit.tokens if hit is not None else seq.num_computed_tokens
+            if not self._prompt_fits(seq, start):
+                break
             n = self._on_grid(seq, start, self.kv.max_chunk(start, min(seq.num_tokens - start, budget),
                                                             seq if hit is None else None))
             copies = self.kv.allocate(seq, n, hit)
@@ -182,9 +184,33 @@ class Scheduler:
         out.loads = self.kv.take_loads()
         return out
 
+    def _prompt_fits(self, seq: Sequence, start: int) -> bool:
+        """Under a policy that holds the whole prompt before it compresses (snapkv, adakv): whether
+        the pool has room for the rest of ``seq``'s prompt (from ``start``) beside the rest of every
+        running prompt. A prompt admitted without it is preempted before it can finish, and by
+        recompute loses its chunks (8 prompts of 4,096 tokens in room for 2: 5 preemptions
+        without this check, none with it)."""
+        if not (self.eviction.active and self.eviction.waits_for_prompt) or start >= seq.num_prompt_tokens:
+            return True
+        bs, full = self.kv.block_size, self.kv.full_group
+
+        def rest(prompt: int, held: int) -> int:
+            return max(0, cdiv(prompt, bs) - held)
+        running = sum(rest(q.num_prompt_tokens, len(q.block_tables[full])) for q in self.running
+                      if q.num_computed_tokens < q.num_prompt_tokens and q.block_tables)
+        return rest(seq.num_prompt_tokens, start // bs) + running <= self.kv.pools[full].num_available
+
     def _on_grid(self, seq: Sequence, start: int, n: int) -> int:
-        """Cap a prompt chunk at the next eviction grid point (see ``eviction_grid``)."""
-        if self.eviction_grid is None or start >= seq.num_prompt_tokens:
+        """Cap a prompt chunk at the next eviction grid point (see ``eviction_grid``), and where
+        the voting queries begin: the chunk before them runs the plain kernels, only the voters
+        the scored attention (snapkv's 32 queries, not the whole 2,048-token chunk that ends a
+        prompt: its prefill took 5x the full cache's)."""
+        if start >= seq.num_prompt_tokens:
+            return n
+        voting = self.eviction.voters(seq.num_prompt_tokens)
+        if voting is not None and start < voting.start < start + n:
+            n = voting.start - start
+        if self.eviction_grid is None:
             return n
         return min(n, (start // self.eviction_grid + 1) * self.eviction_grid - start)
 
