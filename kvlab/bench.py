@@ -99,6 +99,10 @@ class BenchResult:
     prefix_hit_rate: float
     preemptions: int
     kv_cache_blocks: int
+    # sequences holding KV at once: the most, and the most past their prompt (generating): what a
+    # policy's kept budget buys under a fixed --kv-memory
+    max_running: int
+    max_decoding: int
     ttft_first_s: float  # the first request's TTFT (cold, for shared-prefix runs)
     ttft_mean_after_first_s: float
     work_flops: float = 0.0  # the workload's FLOPs (`kvlab.plan.generation_flops`, all requests)
@@ -239,6 +243,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
     tokens = 0
     done = 0
     peak_usage, waste_at_peak = 0.0, 0.0
+    max_running = max_decoding = 0
     phases = Phases(model.spec, decode_weights(model), engine.capacity.kv_dtype)
     with torch.inference_mode():
         while engine.has_unfinished():
@@ -247,6 +252,9 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
             outs = engine.step()
             now = time.perf_counter()
             phases.add(before, now - start)
+            running = engine.scheduler.running
+            max_running = max(max_running, len(running))
+            max_decoding = max(max_decoding, sum(q.num_computed_tokens >= q.num_prompt_tokens for q in running))
             m = engine.metrics()
             if m.kv_usage >= peak_usage:
                 empty, held = _waste(engine)
@@ -284,6 +292,7 @@ def run_engine(model: CausalLM, options: EngineOptions, work: Workload,
         prefix_queries=m.prefix_cache_queries, prefix_hits=m.prefix_cache_hits,
         prefix_hit_rate=m.prefix_cache_hits / m.prefix_cache_queries if m.prefix_cache_queries else 0.0,
         preemptions=m.preemptions, kv_cache_blocks=m.kv_cache_blocks,
+        max_running=max_running, max_decoding=max_decoding,
         work_flops=sum(generation_flops(model.spec, len(p), n) for p, n in reqs),
         ttft_first_s=ttfts[0], ttft_mean_after_first_s=statistics.fmean(after) if after else ttfts[0],
         decode_tokens_per_s=(tokens - 1) / (seconds - ttfts[0]) if single else None,

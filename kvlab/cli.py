@@ -89,7 +89,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       vllm=vllm, llamacpp=llamacpp, model_file=str(path) if path else None,
                       kv_offload_ram=args.kv_offload_ram, kv_offload_dir=args.kv_offload_dir,
                       kv_offload_disk=args.kv_offload_disk, disk_read_rate=args.disk_read_rate,
-                      activations=args.activations, kernel_flops=_kernel_flops(args))
+                      activations=args.activations, kernel_flops=_kernel_flops(args),
+                      kv_policy=args.kv_policy, kv_budget=args.kv_budget)
     plan = make_plan(spec, req)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
@@ -465,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence length for max_concurrency (default: --context)")
     p.add_argument("--dp-attention", action="store_true",
                    help="MLA models: split the batch across TP ranks, each holding whole caches")
-    add_engine_args(p, only=("kv_offload_ram", "kv_offload_dir", "kv_offload_disk"))
+    add_engine_args(p, only=("kv_offload_ram", "kv_offload_dir", "kv_offload_disk", "kv_policy", "kv_budget"))
     p.add_argument("--disk-read-rate", type=byte_size, metavar="BYTES",
                    help="the disk tier's read rate per second, e.g. 7GB (default: measured once on "
                    "--kv-offload-dir's disk)")

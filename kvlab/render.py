@@ -122,6 +122,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(wt)
     if p.prefix_tiers:
         _print_tiers(p, c)
+    if p.eviction:
+        _print_eviction(p, c)
     if not (p.engine or "").startswith("vllm"):  # --engine vllm prints its own `vllm serve` line
         c.print(f"[bold]vLLM:[/] {p.vllm_flags}" if p.vllm_flags else
                 f"[bold]vLLM:[/] no command: not one sequence of {p.context:,} tokens fits")
@@ -132,6 +134,41 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(f"[bold]with:[/] {p.engine_command}", highlight=False, soft_wrap=True)
     for note in p.notes:
         c.print(f"[yellow]note:[/] {note}")
+
+
+def _print_eviction(p: Plan, c: Console) -> None:
+    """--kv-policy: what a sequence keeps in kvlab's engine, the sequences that buys, and the
+    accuracy measured for the policy on this model family (kvlab.plan.eviction)."""
+    e = p.eviction
+    assert e is not None
+    t = _table(f"Eviction: --kv-policy {e.policy} --kv-budget {e.budget} in kvlab's engine")
+    t.add_row(f"budget at {p.context:,} tokens", f"{e.budget_tokens:,} tokens",
+              f"{e.budget_tokens / p.context:.0%} of the context")
+    t.add_row("full-attention layers hold", f"{e.held_tokens_generating:,} tokens",
+              f"while generating (the budget in whole blocks + the one being written); at most "
+              f"{e.held_tokens_peak:,} while the prompt goes in")
+    t.add_row("cache per sequence", fmt_bytes(e.bytes_per_sequence),
+              f"{e.saved_fraction:.0%} less than the full cache's {fmt_bytes(e.bytes_per_sequence_full)}; "
+              f"peak {fmt_bytes(e.bytes_per_sequence_peak)}")
+    gain = f" ({e.max_sequences / e.max_sequences_full:.1f}x)" if e.max_sequences_full else ""
+    t.add_row("sequences generating at once", f"{e.max_sequences:,}",
+              f"{e.max_sequences_full:,} with the full cache{gain}, in the KV budget above")
+    c.print(t)
+    for note in e.notes:
+        c.print(f"[yellow]note:[/] {note}")
+    if not e.measured:
+        return
+    m = Table(title=f"Measured (kvlab evict, {e.policy} at the measured budget nearest "
+              f"{e.budget_tokens / p.context:.0%}): accuracy [95% CI] beside the full cache on the same prompts",
+              title_justify="left")
+    for col in ("model", "task", "context", "budget", e.policy, "full", "trials / task"):
+        m.add_column(col, justify="left" if col in ("model", "task") else "right")
+    for r in e.measured:
+        m.add_row(r.model, r.task, f"{r.context:,}", f"{r.budget:,} ({r.ratio:.0%})",
+                  f"{r.accuracy:.0%} [{r.low:.0%}-{r.high:.0%}]", f"{r.full_accuracy:.0%}", str(r.trials))
+    c.print(m)
+    for command, cpu in dict.fromkeys((r.command, r.cpu) for r in e.measured):
+        c.print(f"[dim]measured by: {command} ({cpu})[/]", highlight=False, soft_wrap=True)
 
 
 def _print_tiers(p: Plan, c: Console) -> None:
@@ -303,6 +340,7 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t.add_row("KV waste at peak", f"{r.kv_waste_at_peak:.2%}", "empty slots in allocated blocks / slots in use")
     t.add_row("prefix cache hits", f"{r.prefix_hit_rate:.1%}", f"{r.prefix_hits:,} of {r.prefix_queries:,} prompt tokens")
     t.add_row("preemptions", f"{r.preemptions}", "")
+    t.add_row("sequences at once", f"{r.max_running}", f"most holding KV; {r.max_decoding} generating at once")
     c.print(t)
     notes = list(r.notes)
     if r.hf_identical_requests is not None:

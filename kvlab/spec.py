@@ -56,13 +56,16 @@ class LayerSpec:
     def kv_bytes_per_token(self, dtype: StorageDtype) -> int:
         return sum(n * dtype.vector_bytes(length) for n, length in self.kv_vectors)
 
-    def cached_tokens(self, context: int) -> int:
-        """Tokens this layer must hold for a sequence of `context` tokens."""
+    def cached_tokens(self, context: int, kept: int | None = None) -> int:
+        """Tokens this layer must hold for a sequence of `context` tokens; ``kept``: the tokens an
+        eviction policy leaves the full-attention layers (sliding and chunked ones keep their window)."""
         if self.kind == "sliding" and self.window:
             return min(context, self.window)
         if self.kind == "chunked" and self.window:
             return min(context, self.window)
-        return context if self.has_kv else 0
+        if not self.has_kv:
+            return 0
+        return context if kept is None else min(context, kept)
 
     def tp_shard(self, tp: int) -> LayerSpec:
         """The part of this layer one of `tp` tensor-parallel ranks holds: its query heads, its
@@ -138,11 +141,12 @@ class ModelSpec:
         return sum(layer.kv_bytes_per_token(d) for layer in self.layers)
 
     def kv_bytes_per_sequence(self, context: int, dtype: str | StorageDtype = "bf16",
-                              state_bytes_per_elem: int = 2) -> int:
-        """Cache of one sequence of `context` tokens: windows capped, SSM state fixed."""
+                              state_bytes_per_elem: int = 2, kept: int | None = None) -> int:
+        """Cache of one sequence of `context` tokens: windows capped, SSM state fixed; ``kept``:
+        the tokens an eviction policy leaves its full-attention layers (``LayerSpec.cached_tokens``)."""
         d = kv_dtype(dtype) if isinstance(dtype, str) else dtype
         return sum(
-            layer.kv_bytes_per_token(d) * layer.cached_tokens(context)
+            layer.kv_bytes_per_token(d) * layer.cached_tokens(context, kept)
             + layer.state_elems * state_bytes_per_elem
             for layer in self.layers
         )

@@ -462,3 +462,25 @@ def test_evict_table_headers_are_whole():
     assert "…" not in table
     for word in ("perplexity", "(blocks)", "(tokens)", "renumbered)", "streaming", "fp8_e4m3", "evicted"):
         assert word in table
+
+
+def test_snapkv_scores_only_its_voting_queries_and_admits_a_prompt_only_with_room_for_it(llama):
+    """A prompt's chunk is cut where snapkv's voters begin (the plain kernels before, the scored
+    attention for the last 32 queries only), and a prompt is admitted only when the pool holds
+    the rest of it beside the running prompts: none is preempted half-way and recomputed."""
+    bs = 4
+    llm = LLM(llama, kv_memory=kv_bytes(llama, 26, bs), block_size=bs, kv_policy="snapkv", kv_budget=16,
+              max_num_batched_tokens=64, preemption="recompute")
+    engine = llm.engine
+    cuts = []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        cuts.extend((c.seq.request_id, c.start, c.num_tokens) for c in out.chunks if c.num_tokens > 1)
+        return out
+    engine.scheduler.schedule = watched
+    batch = prompts((60, 60, 60), seed=12)
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert {(start, n) for _, start, n in cuts} == {(0, 60 - 32), (60 - 32, 32)}
+    assert llm.metrics().preemptions == 0 and all(len(o.token_ids) == 30 for o in outs)

@@ -27,6 +27,13 @@ def test_eviction_view_draws_each_policys_choice(page, api):  # noqa: F811
     streaming = ref["policies"][2]
     assert streaming["roles"][:4] == ["sink"] * 4 and streaming["kept"] == 12
     assert ref["policies"][0]["kept"] == n and ref["policies"][1]["roles"][0] == "evicted"
+    # the frontier measured on real models of the served (llama) family, one row each
+    measured = ref["measured"]
+    assert measured and {r["model_type"] for r in measured} == {"llama"}
+    rows = page.locator('[data-testid="evict-measured"] tbody tr')
+    assert rows.count() == len(measured)
+    first = rows.nth(0).locator("td").all_text_contents()
+    assert first[4] == measured[0]["policy"] and first[1] == measured[0]["task"]
     page.screenshot(path=str(SHOTS / "eviction.png"), full_page=True)
 
 

@@ -16,9 +16,11 @@ from kvlab.dtypes import StorageDtype, kv_dtype, weight_dtype
 from kvlab.layout import RUNTIME_OVERHEAD, MemoryBudget, kv_cache_capacity, memory_budget
 from kvlab.hardware import (KERNEL_FILE, Device, default_disk_budget, disk_read_rate, get_device, with_flops,
                              with_memory)
+from kvlab.options import EngineOptions
 from kvlab.plan import capacity, speed
 from kvlab.plan.tiers import TierPlan, disk_load, plan_tier, ram_load, recompute_seconds
 from kvlab.plan.engines import llamacpp, vllm
+from kvlab.plan.eviction import EvictionPlan, plan_eviction
 from kvlab.plan.memory import PREFILL_CHUNK, kv_layout, kv_without_gqa, layer_breakdown, weights_split
 from kvlab.plan.parallel import check_tp, kv_split, layer_kv_share, seq_bytes_per_gpu, valid_tp_sizes
 from kvlab.spec import ModelSpec
@@ -61,6 +63,10 @@ class PlanRequest:
     # measures it once), in place of the generic matmul probe's: the compute bounds of the mode
     activations: str = "fp32"
     kernel_flops: float | None = None
+    # token eviction in kvlab's engine (kvlab.plan.eviction): what a sequence keeps, and what the
+    # suite measured for the policy on this model family
+    kv_policy: str = "full"
+    kv_budget: int | float | None = None
 
     def validate(self, spec: ModelSpec) -> None:
         checks = [
@@ -179,6 +185,7 @@ class Plan:
     # --kv-offload-*: each tier's capacity and load time against recomputing (kvlab.plan.tiers)
     prefix_tiers: list[TierPlan] = field(default_factory=list)
     recompute_seconds_per_token: float | None = None  # prefill of a --context prefix / its tokens
+    eviction: EvictionPlan | None = None  # --kv-policy other than full
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -404,8 +411,12 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         except ValueError as e:
             notes.append(f"engine KV cache: {e}")
 
-    # 7. the prefix tiers behind the pool
+    # 7. the prefix tiers behind the pool, and token eviction
     tiers = prefix_tiers(spec, req, device, kvd, tp)
+    eviction = None
+    if req.kv_policy != "full":
+        eviction = plan_eviction(spec, req.kv_policy, req.kv_budget, T, kvd, state_bytes, req.block_size,
+                                 EngineOptions.max_num_batched_tokens, budget.kv, seq_ranks, tp)
 
     # 8. flags and the peer engine
     flags = vllm_flags(req, kvd, tp, replicas, max_seqs, notes)
@@ -467,6 +478,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
         engine_details=predicted[3] if predicted else None,
         prefix_tiers=tiers,
         recompute_seconds_per_token=recompute_seconds(spec, T, device, tp) / T if tiers else None,
+        eviction=eviction,
     )
 
 

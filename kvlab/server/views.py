@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from kvlab.models import CausalLM
 from kvlab.models.attention import EvictingKVCache
 from kvlab.models.tokenizer import TextTokenizer
 from kvlab.plan import Plan, PlanRequest, make_plan
+from kvlab.plan.eviction import measured_rows
 from kvlab.sampling import SamplingParams, TokenLogprob
 from kvlab.server.errors import APIError
 from kvlab.spec import ModelSpec, spec_from_config
@@ -259,8 +260,10 @@ def eviction_view(model: CausalLM, tokenizer: TextTokenizer, prompt: str, budget
             mass = (scores / scores.max().clamp(min=1)).tolist()
         out.append({"policy": policy.name, "kept": len(kept), "roles": roles, "mass": mass,
                     "kv_bytes_kept": len(kept) * per_token, "kv_bytes_full": n * per_token})
+    # the frontier as kvlab evict measured it on real models of this family (kvlab plan quotes it too)
+    measured = [{**asdict(r), "ratio": r.ratio} for r in measured_rows() if r.model_type == model.spec.model_type]
     return {"tokens": [_token(tokenizer, i) for i in ids], "budget": budget, "sinks": sinks,
-            "chunk": chunk, "policies": out}
+            "chunk": chunk, "policies": out, "measured": measured}
 
 
 def block_map(engine: LLMEngine) -> dict:

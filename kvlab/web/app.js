@@ -523,6 +523,28 @@ async function runEvict(ev) {
     row.append(h, toks);
     return row;
   }));
+  drawMeasured(d.measured);
+}
+
+// The frontier as `kvlab evict` measured it on real models of the served model's family.
+function drawMeasured(rows) {
+  const box = $('[data-testid="evict-measured"]');
+  box.hidden = !rows.length;
+  const body = box.querySelector("tbody");
+  body.replaceChildren(...rows.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.policy = r.policy;
+    const cells = [r.model, r.task, r.context.toLocaleString(), `${r.budget.toLocaleString()} (${fmt.pct(r.ratio)})`,
+      r.policy, `${fmt.pct(r.accuracy)} [${fmt.pct(r.low)}-${fmt.pct(r.high)}]`, fmt.pct(r.full_accuracy),
+      String(r.trials)];
+    tr.append(...cells.map((text) => {
+      const td = document.createElement("td");
+      td.textContent = text;
+      return td;
+    }));
+    tr.title = `${r.command} (${r.cpu})`;
+    return tr;
+  }));
 }
 
 function show(view) {
