@@ -17,3 +17,12 @@ $KV evict --task perplexity --context 1024 --policies full,streaming --budgets 2
     --json --plot "$OUT/evict-dtypes.png" > "$OUT/evict-dtypes.json"
 $KV evict --task ruler --context 2048 --budgets 256,512 --trials 10 --policies full,streaming,snapkv,adakv \
     --threads 1 --json --plot "$OUT/evict-ruler.png" > "$OUT/evict-ruler.json"
+# issue 38's real models (kvlab models --install gemma3-270m, qwen2.5-coder-1.5b): 25% of 4,096 tokens;
+# Gemma 3 evicts on its 3 global layers only, its 15 sliding layers keep their 512-token window
+$KV evict gemma3-270m --task ruler --context 4096 --budgets 1024 --trials 5 --policies full,streaming,snapkv,adakv \
+    --json --plot "$OUT/evict-gemma-ruler.png" > "$OUT/evict-gemma-ruler.json"
+$KV evict qwen2.5-coder-1.5b --task ruler --context 4096 --budgets 1024 --trials 4 --policies full,snapkv,adakv \
+    --json --plot "$OUT/evict-qwen-ruler.png" > "$OUT/evict-qwen-ruler.json"
+# kvlab's policies and kvpress's presses on the same prompts (bash benchmarks/peers.sh kvpress)
+.venv/bin/python benchmarks/evict_peers.py --task needle --context 2048 --budgets 256,512 --trials 20 \
+    --presses none,snapkv,adakv,tova,expected_attention,observed_attention --threads 1

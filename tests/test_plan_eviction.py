@@ -40,14 +40,14 @@ def test_a_policy_keeps_its_budget_in_blocks_and_buys_sequences():
 
 
 def test_a_hybrid_model_saves_on_its_full_layers_only():
-    """Gemma 3 270M: 15 sliding layers (window 512) keep their window, 3 full layers the budget."""
-    spec = load_spec("gemma3-270m")
+    """Gemma 3 1B: 22 sliding layers (window 512) keep their window, 4 full layers the budget."""
+    spec = load_spec("google/gemma-3-1b-it")
     e = make_plan(spec, PlanRequest(context=8192, kv_policy="streaming", kv_budget=512)).eviction
     d = kv_dtype("bf16")
     full = [layer for layer in spec.layers if layer.kind == "full"]
     sliding = [layer for layer in spec.layers if layer.kind == "sliding"]
     held = 512 + 16
-    assert e.held_tokens_generating == held and len(full) == 3 and len(sliding) == 15
+    assert e.held_tokens_generating == held and len(full) == 4 and len(sliding) == 22
     assert e.bytes_per_sequence == (sum(layer.kv_bytes_per_token(d) for layer in full) * held
                                     + sum(layer.kv_bytes_per_token(d) for layer in sliding) * 512)
     assert e.bytes_per_sequence_full == spec.kv_bytes_per_sequence(8192, d)
@@ -101,7 +101,7 @@ def test_the_nearest_measured_budget_is_quoted(monkeypatch):
 def test_the_shipped_figures_name_their_command_and_a_known_family():
     rows = measured_rows()
     assert rows, "kvlab/catalog/eviction.json holds no measured row"
-    families = {load_spec(name).model_type for name in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b")}
+    families = {load_spec(name).model_type for name in ("smollm2-135m", "google/gemma-3-1b-it", "Qwen/Qwen2.5-1.5B")}
     for r in rows:
         assert r.model_type in families and r.command.startswith("kvlab evict ") and r.cpu
         assert 0 <= r.low <= r.accuracy <= r.high <= 1 and 0 <= r.full_accuracy <= 1 and r.budget < r.context
