@@ -24,6 +24,7 @@ import json
 import time
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpress
@@ -68,6 +69,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # stderr stays readable
     requests = json.loads(open(args.requests).read())
     names = args.presses.split(",")
     unknown = [n for n in names if n != "none" and n not in PRESSES]
