@@ -141,12 +141,11 @@ class ModelSpec:
         return sum(layer.kv_bytes_per_token(d) for layer in self.layers)
 
     def kv_bytes_per_sequence(self, context: int, dtype: str | StorageDtype = "bf16",
-                              state_bytes_per_elem: int = 2, kept: int | None = None) -> int:
-        """Cache of one sequence of `context` tokens: windows capped, SSM state fixed; ``kept``:
-        the tokens an eviction policy leaves its full-attention layers (``LayerSpec.cached_tokens``)."""
+                              state_bytes_per_elem: int = 2) -> int:
+        """Cache of one sequence of `context` tokens: windows capped, SSM state fixed."""
         d = kv_dtype(dtype) if isinstance(dtype, str) else dtype
         return sum(
-            layer.kv_bytes_per_token(d) * layer.cached_tokens(context, kept)
+            layer.kv_bytes_per_token(d) * layer.cached_tokens(context)
             + layer.state_elems * state_bytes_per_elem
             for layer in self.layers
         )

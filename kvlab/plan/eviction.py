@@ -15,11 +15,11 @@ with the command and the CPU that measured it. A plan quotes the rows of its mod
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from kvlab.dtypes import StorageDtype
 from kvlab.eviction import make_policy
 from kvlab.layout import layer_groups
 from kvlab.spec import ModelSpec
@@ -84,20 +84,19 @@ def nearest_measured(spec: ModelSpec, policy: str, ratio: float) -> list[Measure
 
 
 def plan_eviction(spec: ModelSpec, policy_name: str, budget: int | float | None, context: int,
-                  kvd: StorageDtype, state_bytes: int, block_size: int, chunk: int, kv_budget_bytes: int,
-                  seq_ranks: int, tp: int) -> EvictionPlan:
+                  block_size: int, chunk: int, tp: int, sequence_bytes: Callable[[int | None], int],
+                  sequences: Callable[[int], int]) -> EvictionPlan:
     """The plan of ``policy_name`` at ``budget`` for sequences of ``context`` tokens, in blocks of
-    ``block_size`` and prompt chunks of ``chunk``, with ``kv_budget_bytes`` per GPU for the cache."""
+    ``block_size`` and prompt chunks of ``chunk``. The planner's own rules give the bytes and the
+    count: ``sequence_bytes(kept)`` one sequence's cache per GPU with ``kept`` tokens on its full
+    layers (None: all), ``sequences(bytes)`` how many such sequences the KV budget holds."""
     policy = make_policy(policy_name, budget)  # a one-line ValueError for a bad policy or budget
     policy.check_unit(block_size)
     assert policy.budget is not None
-    shard = spec.tp_shard(tp)
     # while generating: the budget in whole blocks and the block a decode writes into (no chunk)
     generating = policy.max_tokens_held(0, context, 0, block_size)
     peak = policy.max_tokens_held(context, context, chunk, block_size)
-    full = shard.kv_bytes_per_sequence(context, kvd, state_bytes)
-    kept = shard.kv_bytes_per_sequence(context, kvd, state_bytes, kept=generating)
-    kept_peak = shard.kv_bytes_per_sequence(context, kvd, state_bytes, kept=peak)
+    full, kept, kept_peak = sequence_bytes(None), sequence_bytes(generating), sequence_bytes(peak)
     notes = []
     if all(g.window is not None for g in layer_groups(spec)):
         notes.append(f"every cached layer of {spec.name} has a window at {context:,} tokens: the engine "
@@ -112,10 +111,9 @@ def plan_eviction(spec: ModelSpec, policy_name: str, budget: int | float | None,
     if not measured and policy.active:
         notes.append(f"no accuracy measured for --kv-policy {policy.name} on a {spec.model_type} model: "
                      f"kvlab evict MODEL --task ruler --context {context} --budgets {policy.budget} measures it")
-    fits = (lambda per: kv_budget_bytes // per * seq_ranks if per and kv_budget_bytes > 0 else 0)
     return EvictionPlan(
         policy=policy.name, budget=policy.budget, budget_tokens=policy.budget_tokens(context),
         held_tokens_generating=generating, held_tokens_peak=peak,
         bytes_per_sequence=kept, bytes_per_sequence_peak=kept_peak, bytes_per_sequence_full=full,
         saved_fraction=1 - kept / full if full else 0.0,
-        max_sequences=fits(kept), max_sequences_full=fits(full), measured=measured, notes=notes)
+        max_sequences=sequences(kept), max_sequences_full=sequences(full), measured=measured, notes=notes)

@@ -37,10 +37,12 @@ def kv_split(spec: ModelSpec, tp: int, dp_attention: bool = False) -> str:
     return f"split by KV heads: {rank_kv_heads(kv, tp)} of {kv} per GPU"
 
 
-def seq_bytes_per_gpu(spec: ModelSpec, context: int, dtype: StorageDtype, tp: int, state_bytes: int) -> int:
-    """One sequence's cache on each GPU at this TP size (windows capped, SSM state fixed)."""
+def seq_bytes_per_gpu(spec: ModelSpec, context: int, dtype: StorageDtype, tp: int, state_bytes: int,
+                      kept: int | None = None) -> int:
+    """One sequence's cache on each GPU at this TP size (windows capped, SSM state fixed; ``kept``:
+    the tokens an eviction policy leaves the full-attention layers)."""
     total = 0.0
     for layer in spec.layers:
-        full = layer.kv_bytes_per_token(dtype) * layer.cached_tokens(context) + layer.state_elems * state_bytes
+        full = layer.kv_bytes_per_token(dtype) * layer.cached_tokens(context, kept) + layer.state_elems * state_bytes
         total += full * layer_kv_share(layer, tp)
     return math.ceil(total)

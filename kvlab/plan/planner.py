@@ -262,9 +262,10 @@ def choose_device(req: PlanRequest) -> Device:
 
 
 def per_gpu_sequence_bytes(spec: ModelSpec, req: PlanRequest, context: int, kvd: StorageDtype,
-                           tp: int, state_bytes: int) -> int:
-    """One sequence's cache on a GPU that holds it: its TP share, or all of it under DP attention."""
-    return seq_bytes_per_gpu(spec, context, kvd, 1 if req.dp_attention else tp, state_bytes)
+                           tp: int, state_bytes: int, kept: int | None = None) -> int:
+    """One sequence's cache on a GPU that holds it: its TP share, or all of it under DP attention
+    (``kept``: the tokens an eviction policy leaves its full-attention layers)."""
+    return seq_bytes_per_gpu(spec, context, kvd, 1 if req.dp_attention else tp, state_bytes, kept)
 
 
 def budget_for(spec: ModelSpec, device: Device, req: PlanRequest, weights: int, tp: int, users: int,
@@ -364,7 +365,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     w_dense, w_experts = weights.split
     w_bytes = w_dense + w_experts
     budget = budget_for(spec, device, req, w_bytes, tp, B, logit_bytes)
-    max_seqs = budget.kv // per_seq_gpu * seq_ranks if per_seq_gpu and budget.kv > 0 else 0
+    def sequences(per_gpu: int) -> int:
+        """Sequences of ``per_gpu`` cache bytes each that the KV budget holds on all the ranks."""
+        return budget.kv // per_gpu * seq_ranks if per_gpu and budget.kv > 0 else 0
+    max_seqs = sequences(per_seq_gpu)
 
     # 4. capacity: longest context for B users, GPUs needed
     @functools.cache
@@ -415,8 +419,10 @@ def make_plan(spec: ModelSpec, req: PlanRequest = PlanRequest()) -> Plan:
     tiers = prefix_tiers(spec, req, device, kvd, tp)
     eviction = None
     if req.kv_policy != "full":
-        eviction = plan_eviction(spec, req.kv_policy, req.kv_budget, T, kvd, state_bytes, req.block_size,
-                                 EngineOptions.max_num_batched_tokens, budget.kv, seq_ranks, tp)
+        eviction = plan_eviction(spec, req.kv_policy, req.kv_budget, T, req.block_size,
+                                 EngineOptions.max_num_batched_tokens, tp,
+                                 lambda kept: per_gpu_sequence_bytes(spec, req, T, kvd, tp, state_bytes, kept),
+                                 sequences)
 
     # 8. flags and the peer engine
     flags = vllm_flags(req, kvd, tp, replicas, max_seqs, notes)
