@@ -413,7 +413,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     from kvlab.progress import progress_bar
 
     loaded = load_options(ModelOptions.from_args(args))
-    with progress_bar("evict", enabled=not args.json) as report:
+    with progress_bar("evict") as report:  # on stderr, with --json too: a suite can run for an hour
         rows = evaluate(loaded.model, loaded.tokenizer, args.task, args.policies, args.budgets, args.kv_dtype,
                         text=args.text, context=args.context, block_size=args.block_size, chunk=args.chunk,
                         trials=args.trials, deterministic=args.deterministic, chat=loaded.chat_template,

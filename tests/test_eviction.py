@@ -380,7 +380,9 @@ def test_cli_evict_table_and_json(capsys, tmp_path):
     argv = ["evict", "austen-demo", "--context", "256", "--budgets", "64", "--chunk", "32",
             "--policies", "full,window,streaming", "--json"]
     assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    rows = json.loads(said.out)  # the JSON alone on stdout, the stages on stderr (not a terminal: lines)
+    assert said.err.startswith("… evict: ")
     assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("window", 64), ("streaming", 64)]
     full, window, streaming = rows
     assert full["blocks_freed"] == 0 and window["blocks_freed"] > 0 and streaming["blocks_freed"] > 0
