@@ -23,6 +23,7 @@ $KV evict gemma3-270m --task ruler --context 4096 --budgets 1024 --trials 5 --po
     --json --plot "$OUT/evict-gemma-ruler.png" > "$OUT/evict-gemma-ruler.json"
 $KV evict qwen2.5-coder-1.5b --task ruler --context 4096 --budgets 1024 --trials 4 --policies full,snapkv,adakv \
     --json --plot "$OUT/evict-qwen-ruler.png" > "$OUT/evict-qwen-ruler.json"
-# kvlab's policies and kvpress's presses on the same prompts (bash benchmarks/peers.sh kvpress)
+# kvlab's policies, kvpress's presses and OpenVINO GenAI's eviction modes on the same prompts
+# (bash benchmarks/peers.sh kvpress; bash benchmarks/peers.sh openvino)
 .venv/bin/python benchmarks/evict_peers.py --task needle --context 2048 --budgets 256,512 --trials 20 \
     --presses none,snapkv,adakv,tova,expected_attention,observed_attention --threads 1

@@ -1,5 +1,6 @@
-"""kvlab's eviction policies beside NVIDIA kvpress's presses on the same prompts, in one run
-(issue 38): a table and a plot of accuracy against the KV kept per sequence.
+"""kvlab's eviction policies beside NVIDIA kvpress's presses and OpenVINO GenAI's cache eviction on
+the same prompts, in one run (issue 38): a table and a plot of accuracy against the KV kept per
+sequence.
 
     .venv/bin/python benchmarks/evict_peers.py --task needle --context 2048 --budgets 256,512 --trials 20
 
@@ -8,11 +9,17 @@ kvlab's rows are `kvlab evict`'s (`kvlab.evaluate.evaluate`: the paged engine, f
 evict` builds) go as kvlab's token ids to benchmarks/kvpress_peer.py in kvpress's own venv
 (`bash benchmarks/peers.sh kvpress`), on the same weights: the GGUF's dequantised fp32 tensors,
 written once as a Hugging Face folder (`kvlab.gguf.export_folder`). Its `none` row, no press, checks
-the harness against kvlab's full cache. Every answer is scored by kvlab (`Sample.score`).
+the harness against kvlab's full cache. The same ids go to benchmarks/openvino_evict_peer.py in
+OpenVINO GenAI's venv (`bash benchmarks/peers.sh openvino`), which reads the GGUF itself and runs
+it in fp32 under its `CacheEvictionConfig` modes (`none` again the check). Every answer is scored
+by kvlab (`Sample.score`). `--presses ''` or `--openvino ''` leaves that peer out, `--policies ''`
+kvlab's own rows (they are deterministic: a table taken before holds them).
 
 KV kept per sequence while generating: kvlab's is measured (whole blocks, the budget plus the block
 being written); kvpress keeps exactly `budget` tokens per layer (AdaKV: on average over the heads)
-in a dense cache, and frees nothing (it masks, one sequence at a time). Results go to --out:
+in a dense cache, and frees nothing (it masks, one sequence at a time); OpenVINO frees whole
+32-token blocks down to `budget` (its `max_cache_size`) once the prompt is in, so its column is the
+budget too. Results go to --out:
 table.md, results.json, plot.png.
 """
 
@@ -42,13 +49,14 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--policies", default="full,snapkv,adakv")
     p.add_argument("--presses", default="none,snapkv,adakv,tova,expected_attention,observed_attention,streaming_llm,knorm")
+    p.add_argument("--openvino", default="none,sum,norm_sum,kvcrush", help="OpenVINO GenAI's eviction modes")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS", "/work/peers")))
     p.add_argument("--out", type=Path, default=Path("out/evict_peers"))
     args = p.parse_args()
-    python = args.peers / "kvpress/bin/python"
-    if not python.is_file():
-        raise SystemExit(f"no kvpress venv at {python.parent.parent}: run bash benchmarks/peers.sh kvpress")
+    for peer, wanted in (("kvpress", args.presses), ("openvino", args.openvino)):
+        if wanted and not (args.peers / peer / "bin/python").is_file():
+            raise SystemExit(f"no {peer} venv in {args.peers}: run bash benchmarks/peers.sh {peer}")
     args.out.mkdir(parents=True, exist_ok=True)
     budgets = [int(b) for b in args.budgets.split(",")]
     import torch
@@ -57,8 +65,9 @@ def main() -> None:
     loaded = load(args.model, "fp32")
     model, tok = loaded.model, loaded.tokenizer
     print(f"kvlab: {args.task} on {model.name}, {args.context:,} tokens, {args.trials} trials a task", file=sys.stderr)
-    ours = evaluate(model, tok, args.task, args.policies.split(","), budgets, ["auto"], context=args.context,
-                    trials=args.trials, chat=loaded.chat_template)
+    policies = [name for name in args.policies.split(",") if name]
+    ours = evaluate(model, tok, args.task, policies, budgets, ["auto"], context=args.context,
+                    trials=args.trials, chat=loaded.chat_template) if policies else []
 
     suite = Suite(tok, Path(DEFAULT_TEXT).read_text(), args.context, loaded.chat_template, 0)
     samples = [s for name in TASKS[args.task] for s in suite.samples(name, args.trials)]
@@ -66,35 +75,46 @@ def main() -> None:
     (args.out / "requests.json").write_text(json.dumps(requests))
     gguf = gguf_file(args.model)
     if gguf is None:
-        raise SystemExit(f"{args.model} is not a GGUF model: kvpress needs its weights as a folder")
-    folder = args.peers / "models" / f"{Path(gguf.path).stem}-hf"
-    if not (folder / "model.safetensors").is_file():
-        export_folder(gguf, folder)
-    cmd = [str(python), "benchmarks/kvpress_peer.py", str(folder), str(args.out / "requests.json"),
-           "--presses", args.presses, "--budgets", args.budgets, "--threads", str(args.threads)]
-    print("kvpress: " + " ".join(cmd), file=sys.stderr)
-    t0 = time.perf_counter()
+        raise SystemExit(f"{args.model} is not a GGUF model: the peers read its weights from the file")
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    peer = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout)
-    print(f"kvpress took {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    peers: dict[str, dict] = {}
+    commands = []
+    if args.presses:
+        folder = args.peers / "models" / f"{Path(gguf.path).stem}-hf"
+        if not (folder / "model.safetensors").is_file():
+            export_folder(gguf, folder)
+        commands.append(("kvpress", [str(args.peers / "kvpress/bin/python"), "benchmarks/kvpress_peer.py", str(folder),
+                                     str(args.out / "requests.json"), "--presses", args.presses]))
+    if args.openvino:
+        commands.append(("openvino", [str(args.peers / "openvino/bin/python"), "benchmarks/openvino_evict_peer.py",
+                                      str(gguf.path), str(args.out / "requests.json"), "--modes", args.openvino]))
+    for peer, cmd in commands:
+        cmd += ["--budgets", args.budgets, "--threads", str(args.threads)]
+        print(f"{peer}: " + " ".join(cmd), file=sys.stderr)
+        t0 = time.perf_counter()
+        peers[peer] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout)
+        print(f"{peer} took {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     per_token = model.spec.kv_bytes_per_token("fp32")
     tasks = list(TASKS[args.task])
     table = []
     for r in ours:  # one row per policy, budget and task
         table.append(("kvlab", r.policy, r.budget, r.task, r.quality, r.trials, r.kv_bytes_decoding, r.seconds))
-    for row in peer["rows"]:
-        for task in tasks:
-            got = [s.score(tok.decode(ids)) for s, ids in zip(samples, row["outputs"]) if s.task == task]
-            prompt = max(len(q["ids"]) for q, s in zip(requests, samples) if s.task == task)
-            kept = row["budget"] or prompt
-            table.append(("kvpress", row["press"], row["budget"], task, sum(got) / len(got), len(got),
-                          kept * per_token, row["seconds"] / len(tasks)))
+    for peer, out in peers.items():
+        for row in out["rows"]:
+            for task in tasks:
+                got = [s.score(tok.decode(ids)) for s, ids in zip(samples, row["outputs"]) if s.task == task]
+                prompt = max(len(q["ids"]) for q, s in zip(requests, samples) if s.task == task)
+                kept = row["budget"] or prompt
+                table.append((peer, row["press"], row["budget"], task, sum(got) / len(got), len(got),
+                              kept * per_token, row["seconds"] / len(tasks)))
     results = [dict(zip(("engine", "policy", "budget", "task", "accuracy", "trials", "kv_bytes", "seconds"), t))
                for t in table]
     (args.out / "results.json").write_text(json.dumps({"model": model.name, "task": args.task,
                                                        "context": args.context, "rows": results,
-                                                       "kvpress": peer.get("kvpress"), "command": cmd}, indent=1))
+                                                       "peers": {p: {k: v for k, v in o.items() if k != "rows"}
+                                                                 for p, o in peers.items()},
+                                                       "commands": [c for _, c in commands]}, indent=1))
     lines = [f"| engine | policy / press | budget | {' | '.join(tasks)} | mean [95% CI] | KV kept while generating | time |",
              "| --- " * (6 + len(tasks)) + "|"]
     groups: dict[tuple, list[dict]] = {}

@@ -19,12 +19,41 @@ import transformers
 from kvpress_peer import generate  # benchmarks/ is this script's path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-PROBES = {  # name: press, each keeping most of the prompt (a press that loses the needle here is not short of room)
+class LayerSnapKV(kvpress.SnapKVPress):
+    """SnapKV's scores averaged over a layer's KV heads: one kept set per layer, every head the same
+    tokens (as kvlab's blocks and kvpress's own TOVA keep them), against SnapKV's set per KV head."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        scores = super().score(module, hidden_states, keys, values, attentions, kwargs)
+        return scores.mean(1, keepdim=True).expand_as(scores)
+
+
+class BlockSnapKV(LayerSnapKV):
+    """One set per layer, scored by 16-token blocks (each position gets its block's mean score):
+    whole blocks stay, as in kvlab's paged cache, so a number's digits stay together."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        scores = super().score(module, hidden_states, keys, values, attentions, kwargs)
+        n = scores.shape[-1]
+        pad = torch.nn.functional.pad
+        blocks = pad(scores, (0, -n % 16)).unflatten(-1, (-1, 16))
+        counts = pad(torch.ones(n), (0, -n % 16)).unflatten(-1, (-1, 16)).sum(-1, keepdim=True)
+        sums = blocks.sum(-1, keepdim=True) / counts
+        return sums.expand_as(blocks).flatten(-2)[..., :n]
+
+
+# name: press. The first five keep most of the prompt (one that loses the needle there is not short of
+# room); the rest set SnapKV's one set per KV head against one per layer, and tokens against blocks
+PROBES = {
     "none": lambda: None,
     "tova 50%": lambda: kvpress.TOVAPress(compression_ratio=0.5),
     "knorm 10%": lambda: kvpress.KnormPress(compression_ratio=0.1),
     "snapkv 10%": lambda: kvpress.SnapKVPress(compression_ratio=0.1),
     "snapkv 50%, window 1": lambda: kvpress.SnapKVPress(compression_ratio=0.5, window_size=1),
+    "snapkv 10%, per layer": lambda: LayerSnapKV(compression_ratio=0.1),
+    "snapkv 87.5%": lambda: kvpress.SnapKVPress(compression_ratio=0.875),
+    "snapkv 87.5%, per layer": lambda: LayerSnapKV(compression_ratio=0.875),
+    "snapkv 87.5%, per layer, blocks": lambda: BlockSnapKV(compression_ratio=0.875),
 }
 
 

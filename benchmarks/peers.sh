@@ -54,7 +54,7 @@ build_llamacpp() {  # $1: extra compiler flags (GCC keeps an explicit -mno-* ove
 }
 
 openvino() {
-  # for benchmarks/openvino_peer.py. It reads the GGUF itself; the file's tokenizer comes through
+  # for benchmarks/openvino_peer.py and openvino_evict_peer.py. It reads the GGUF itself; the file's tokenizer comes through
   # openvino-tokenizers, which pip pulls in at the same version: nothing else to install
   [ -x "$PEERS/openvino/bin/python" ] || python3 -m venv "$PEERS/openvino"
   "$PEERS/openvino/bin/pip" install -q openvino-genai==2026.4.1.0
