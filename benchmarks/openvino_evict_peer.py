@@ -7,7 +7,7 @@ benchmarks/peers.sh openvino`). This script imports neither kvlab nor torch: the
 script returns with kvlab's tokenizer and `kvlab.ruler.Sample.score`:
 
     /work/peers/openvino/bin/python benchmarks/openvino_evict_peer.py MODEL.gguf requests.json \\
-        --modes none,sum,norm_sum --budgets 256,512 --threads 2
+        --modes none,sum,norm_sum,kvcrush --budgets 256,512 --threads 2
 
 The GGUF is read by OpenVINO's own reader; the CPU plugin runs fp32 (INFERENCE_PRECISION_HINT f32,
 KV_CACHE_PRECISION f32, DYNAMIC_QUANTIZATION_GROUP_SIZE 0: no int8 activations), so the only
@@ -66,7 +66,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("gguf")
     p.add_argument("requests", help="JSON list of {ids, max_tokens}")
-    p.add_argument("--modes", default="none,sum,norm_sum")
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--budgets", default="256,512", help="max_cache_size, tokens per sequence")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
